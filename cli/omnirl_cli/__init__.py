@@ -1,0 +1,1 @@
+"""The omnirl command line (typer): parses, resolves through the core, and reports."""

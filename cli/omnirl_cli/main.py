@@ -1,0 +1,398 @@
+"""``omnirl``: train, list plugins and components, show configs.
+
+Thin: parses arguments, calls the core, prints. Importing it (and ``omnirl --help``) imports no torch.
+Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 plugin resolution error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+import yaml
+
+from omnirl_core import __version__
+from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, ConfigError, OmnirlError, UsageError
+
+app = typer.Typer(
+    name="omnirl",
+    help="RL post-training for diffusion and omni-modality models, built from plugins.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+plugins_app = typer.Typer(help="Installed plugins.", no_args_is_help=True)
+config_app = typer.Typer(help="Configurations.", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+app.add_typer(config_app, name="config")
+
+STATE = {"debug": bool(os.environ.get("OMNIRL_DEBUG"))}
+log = logging.getLogger("omnirl")
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text.rstrip("\n") + "\n")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"omnirl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    if debug:
+        STATE["debug"] = True
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _manager():
+    from omnirl_core.plugins import get_plugin_manager
+
+    return get_plugin_manager()
+
+
+def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_lines=False)
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[_cell(row.get(c, "")) for c in columns])
+    Console(width=200).print(table)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+FormatOpt = typer.Option("table", "--format", help="table or json.")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in ("table", "json"):
+        raise UsageError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
+
+
+# -- listings -------------------------------------------------------------------------------------
+
+@plugins_app.command("list")
+def plugins_list(fmt: str = FormatOpt) -> None:
+    """Every discovered plugin: ok, broken (with its error) or disabled."""
+    _check_format(fmt)
+    rows = [p.as_dict() for p in sorted(_manager().plugins.values(), key=lambda p: p.name)]
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, ["name", "status", "distribution", "version", "components", "error"])
+
+
+COLUMNS = {
+    "model": ["name", "plugin", "capabilities", "presets", "description"],
+    "algorithm": ["name", "plugin", "requires", "needs_logprobs", "needs_reference", "description"],
+    "engine": ["name", "plugin", "roles", "devices", "description"],
+    "reward": ["name", "plugin", "modality", "description"],
+    "device": ["name", "plugin", "available", "torch_device", "backend", "ray_resource", "priority"],
+}
+
+
+def _options_schema(spec) -> list[dict[str, Any]]:
+    cls = spec.load_config()
+    if cls is None:
+        return []
+    rows = []
+    for name, field in cls.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        rows.append({"option": name, "default": default if not hasattr(default, "model_dump") else
+                     default.model_dump(), "description": field.description or ""})
+    return rows
+
+
+def _listing(kind: str, name: Optional[str], fmt: str, options: bool) -> None:
+    _check_format(fmt)
+    manager = _manager()
+    if name:
+        spec = manager.resolve(kind, name)
+        info = spec.summary()
+        if kind == "device":
+            info["available"] = spec.available()
+        if options:
+            rows = _options_schema(spec)
+            if fmt == "json":
+                typer.echo(json.dumps({"name": spec.name, "options": rows}, indent=2, default=str))
+            else:
+                typer.echo(f"{kind} {spec.name} ({spec.plugin} {spec.version}): options")
+                _print_table(rows, ["option", "default", "description"])
+            return
+        typer.echo(json.dumps(info, indent=2, default=str) if fmt == "json" else yaml.safe_dump(info, sort_keys=False))
+        return
+    rows = []
+    for spec in manager.registries[kind]:
+        row = spec.summary()
+        if kind == "device":
+            row["available"] = spec.available()
+        rows.append(row)
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2, default=str))
+    else:
+        _print_table(rows, COLUMNS[kind])
+
+
+NameArg = typer.Argument(None, help="Show one component.")
+OptionsOpt = typer.Option(False, "--options", help="Print the component's options with defaults.")
+
+
+@app.command("models")
+def models_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Installed models and their capabilities."""
+    _listing("model", name, fmt, options)
+
+
+@app.command("algos")
+def algos_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Installed algorithms and the model capabilities they need."""
+    _listing("algorithm", name, fmt, options)
+
+
+@app.command("engines")
+def engines_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Installed rollout and training engines."""
+    _listing("engine", name, fmt, options)
+
+
+@app.command("rewards")
+def rewards_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Installed rewards."""
+    _listing("reward", name, fmt, options)
+
+
+@app.command("devices")
+def devices_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Hardware plugins and whether each device is available here."""
+    _listing("device", name, fmt, options)
+
+
+# -- config and train -----------------------------------------------------------------------------
+
+def parse_reward(text: str) -> dict[str, Any]:
+    """NAME or NAME:WEIGHT (NAME may itself be plugin:name)."""
+    head, sep, tail = text.rpartition(":")
+    if sep:
+        try:
+            return {"name": head, "weight": float(tail)}
+        except ValueError:
+            pass
+    if not text:
+        raise UsageError("Empty --reward.", hint="Use --reward NAME or --reward NAME:WEIGHT.")
+    return {"name": text}
+
+
+def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed) -> list[dict]:
+    from omnirl_core.config import load_recipe, parse_set
+
+    layers = []
+    if recipe:
+        layers.append(load_recipe(recipe))
+    flags: dict[str, Any] = {}
+    if model:
+        flags.setdefault("model", {})["name"] = model
+    if preset:
+        flags.setdefault("model", {})["preset"] = preset
+    if algo:
+        flags.setdefault("algorithm", {})["name"] = algo
+    if rewards:
+        flags["rewards"] = [parse_reward(r) for r in rewards]
+    run: dict[str, Any] = {}
+    if output_dir:
+        run["output_dir"] = output_dir
+    if steps is not None:
+        run["steps"] = steps
+    if device:
+        run["device"] = device
+    if seed is not None:
+        run["seed"] = seed
+    if run:
+        flags["run"] = run
+    layers.append(flags)
+    if overrides:
+        layers.append(parse_set(overrides))
+    return layers
+
+
+ModelOpt = typer.Option(None, "--model", "-m", help="Model name (see `omnirl models`).")
+AlgoOpt = typer.Option(None, "--algo", "-a", help="Algorithm name (see `omnirl algos`).")
+PresetOpt = typer.Option(None, "--preset", help="Model preset, e.g. 'tiny' (random weights, built locally).")
+RewardOpt = typer.Option(None, "--reward", "-r", help="NAME[:WEIGHT], repeatable.")
+RecipeOpt = typer.Option(None, "--recipe", help="Recipe YAML.")
+SetOpt = typer.Option(None, "--set", help="KEY=VALUE override, repeatable (e.g. train.lr=3e-4).")
+
+
+@config_app.command("show")
+def config_show(
+    model: Optional[str] = ModelOpt,
+    algo: Optional[str] = AlgoOpt,
+    preset: Optional[str] = PresetOpt,
+    reward: Optional[list[str]] = RewardOpt,
+    recipe: Optional[str] = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
+) -> None:
+    """The resolved config (every key, with plugin options and defaults; secrets redacted)."""
+    from omnirl_core.config import RunConfig
+    from omnirl_core.resolve import resolve_run
+
+    layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, None, None)
+    if not (model or algo or recipe or overrides):
+        data = RunConfig().model_dump(mode="json")
+    else:
+        data = resolve_run(_manager(), layers, probe_device=False).dump()
+    typer.echo(json.dumps(data, indent=2) if fmt == "json" else yaml.safe_dump(data, sort_keys=False))
+
+
+def _run_dir(resolved, explicit: bool) -> Path:
+    cfg = resolved.config
+    if cfg.run.output_dir:
+        return Path(cfg.run.output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{resolved.model.name}-{resolved.algorithm.name}-{stamp}"
+
+
+@app.command()
+def train(
+    model: Optional[str] = ModelOpt,
+    algo: Optional[str] = AlgoOpt,
+    preset: Optional[str] = PresetOpt,
+    reward: Optional[list[str]] = RewardOpt,
+    recipe: Optional[str] = RecipeOpt,
+    overrides: Optional[list[str]] = SetOpt,
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds "
+                                             "this run)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Run seed."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device."),
+) -> None:
+    """Train a model with an algorithm and rewards."""
+    from omnirl_core.resolve import resolve_run
+    from omnirl_core.tracking import RunDir
+
+    manager = _manager()
+    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed)
+    resolved = resolve_run(manager, layers, probe_device=not dry_run)
+    cfg = resolved.config
+    run_path = _run_dir(resolved, bool(output_dir))
+    dump = resolved.dump()
+    dump["run"]["output_dir"] = str(run_path)
+    run_dir = RunDir(run_path)
+    if run_dir.is_foreign():
+        raise ConfigError(f"Output directory '{run_path}' is not empty and holds no omnirl run.",
+                          hint="Pick another --output-dir.")
+    diffs = run_dir.differences(dump)
+    if diffs:
+        raise ConfigError(
+            f"Output directory '{run_path}' holds a different run.",
+            details=["Differences:", *(f"  {d}" for d in diffs[:10])],
+            hint="Use another --output-dir, or rerun with the same settings to resume that run.",
+        )
+    if dry_run:
+        plan = {
+            "run_dir": str(run_path),
+            "model": f"{resolved.model.qualified_name} (preset {cfg.model.preset or '-'}, path "
+                     f"{cfg.model.path or resolved.model.default_path or '-'})",
+            "algorithm": resolved.algorithm.qualified_name,
+            "rollout_engine": resolved.rollout_engine.qualified_name,
+            "train_engine": resolved.train_engine.qualified_name,
+            "rewards": [f"{e.name} x{e.weight}{'' if e.required else ' (optional)'}" for e in cfg.rewards],
+            "device": cfg.run.device,
+            "executor": cfg.run.executor,
+            "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            "steps": cfg.run.steps,
+            "config": dump,
+        }
+        typer.echo(yaml.safe_dump(plan, sort_keys=False))
+        return
+    resuming = run_dir.saved_config() is not None
+    run_dir.prepare(dump, resolved.lock(manager))
+    _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
+    _train(resolved, run_path)
+
+
+def _train(resolved, run_path: Path) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from omnirl_core.controller import Controller
+
+    cfg = resolved.config
+    progress = Progress(
+        TextColumn("step {task.completed:>4.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+        refresh_per_second=4,
+    )
+    task = progress.add_task("train", total=cfg.run.steps, info="setting up")
+
+    def on_step(record: dict[str, Any]) -> None:
+        info = (f"reward {record['reward/mean']:.4f}  loss {record.get('loss', float('nan')):+.4f}  "
+                f"{record['time/step_s']:.2f}s/step")
+        progress.update(task, completed=record["step"], info=info)
+
+    controller = Controller(resolved, run_path, on_step=on_step)
+    with progress:
+        progress.update(task, completed=controller.start_step - 1)
+        summary = controller.run()
+    records = controller.run_dir.read_metrics()
+    if records:
+        last = records[-1]
+        _err(f"omnirl: done: {summary['steps']} steps, last reward/mean {last['reward/mean']:.4f}; "
+             f"run directory {run_path}")
+
+
+def run() -> None:
+    """Console-script entry: maps errors to exit codes; tracebacks only with --debug."""
+    try:
+        app(standalone_mode=False)
+    except OmnirlError as err:
+        if STATE["debug"]:
+            raise
+        _err(f"Error: {err.render()}")
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        _err("omnirl: interrupted")
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001  click's usage errors and runtime failures
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(EXIT_USAGE)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(EXIT_RUNTIME)
+        if STATE["debug"]:
+            raise
+        _err(f"Error: {type(exc).__name__}: {exc}\nRerun with --debug for the traceback.")
+        sys.exit(EXIT_RUNTIME)
+
+
+if __name__ == "__main__":
+    run()

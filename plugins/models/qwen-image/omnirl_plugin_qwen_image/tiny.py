@@ -1,0 +1,103 @@
+"""The ``tiny`` preset: the Qwen-Image architecture (diffusers transformer, VAE, Qwen2.5-VL text encoder)
+with random weights and the real Qwen2 tokenizer, built locally in seconds and saved in the diffusers
+layout so that it loads back through ``QwenImagePipeline.from_pretrained`` like a released checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VERSION = 2  # bump when the tiny architecture changes (invalidates the on-disk cache)
+
+
+def build_tiny_pipeline(seed: int = 0, tokenizer=None):
+    """A QwenImagePipeline with random weights: transformer 2 layers / 3 heads x 16, VAE z_dim 4 (x4 spatial),
+    text encoder hidden 16 / 2 layers with the full Qwen2 vocabulary."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from omnirl_core.tiny import QWEN2_VOCAB_SIZE, qwen2_tokenizer
+
+    tokenizer = tokenizer or qwen2_tokenizer()
+    vocab = max(QWEN2_VOCAB_SIZE, len(tokenizer))
+    text_hidden = 16
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=3,
+        joint_attention_dim=text_hidden,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    _widen_decoder_range(vae)
+    torch.manual_seed(seed + 2)
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in
+           ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_end|>", "<|endoftext|>")}
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=text_hidden,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=vocab,
+            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+            rope_theta=1_000_000.0,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text_hidden),
+        hidden_size=text_hidden,
+        vocab_size=vocab,
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        vision_token_id=ids["<|image_pad|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+    )
+    return QwenImagePipeline(
+        transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=scheduler
+    )
+
+
+def _widen_decoder_range(vae) -> None:
+    """Random VAE decoders map every latent to a nearly flat grey; rescale the last convolution so a unit
+    Gaussian latent decodes to pixels spread over most of [-1, 1]. Still random weights, just a different
+    init scale: a reward on colours then has room to move."""
+    with torch.no_grad():
+        probe = torch.randn(4, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+        out = vae.decode(probe, return_dict=False)[0]
+        conv = vae.decoder.conv_out
+        scale = 0.6 / max(out.std().item(), 1e-6)
+        conv.weight.mul_(scale)
+        conv.bias.zero_()
+
+
+def save_tiny(directory: str | Path, seed: int = 0) -> Path:
+    """Build the tiny preset and save it in the diffusers layout (``model_index.json`` + components)."""
+    directory = Path(directory)
+    build_tiny_pipeline(seed).save_pretrained(str(directory), safe_serialization=True)
+    return directory

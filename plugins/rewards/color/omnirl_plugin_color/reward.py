@@ -1,0 +1,61 @@
+"""Colour match: reward = 1 - ||mean RGB of the image - RGB of the colour word in the prompt|| / sqrt(3).
+
+1 is a perfect match, 0 the opposite corner of the RGB cube. A prompt that names no known colour is an
+error (a reward must not silently score 0)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+PALETTE: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "cyan": (0.0, 1.0, 1.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "white": (1.0, 1.0, 1.0),
+    "black": (0.0, 0.0, 0.0),
+    "orange": (1.0, 0.5, 0.0),
+    "purple": (0.5, 0.0, 0.5),
+    "gray": (0.5, 0.5, 0.5),
+    "grey": (0.5, 0.5, 0.5),
+}
+
+DEFAULT_PROMPTS = ["a red square", "a green square", "a blue square", "a yellow square"]
+
+
+class ColorOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    region: float = Field(1.0, gt=0, le=1, description="Central fraction of the image that is scored.")
+
+
+def named_color(prompt: str) -> tuple[float, float, float]:
+    for word in re.findall(r"[a-z]+", prompt.lower()):
+        if word in PALETTE:
+            return PALETTE[word]
+    raise ValueError(f"prompt {prompt!r} names no colour the reward knows ({', '.join(sorted(PALETTE))})")
+
+
+class ColorMatch:
+    def __init__(self, options: ColorOptions | None = None):
+        self.options = options or ColorOptions()
+
+    def __call__(self, images: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+        scores = []
+        for image, prompt in zip(images, prompts):
+            arr = image.detach().float().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+            h, w = arr.shape[-2:]
+            f = self.options.region
+            dh, dw = int(round(h * (1 - f) / 2)), int(round(w * (1 - f) / 2))
+            crop = arr[..., dh:h - dh, dw:w - dw]
+            mean = crop.reshape(3, -1).mean(axis=1)
+            target = np.asarray(named_color(prompt))
+            scores.append(float(1.0 - np.linalg.norm(mean - target) / math.sqrt(3)))
+        return scores

@@ -1,0 +1,248 @@
+"""Run configuration: pydantic models, recipe layering and ``--set`` overrides.
+
+Layers, lowest first: field defaults, the model's and the algorithm's suggested values, a recipe YAML,
+command-line flags, ``--set a.b=value``. Unknown keys are errors with a did-you-mean, and every problem of
+one config is reported together with its path. Each plugin owns the ``options`` namespace of its section,
+validated against the plugin's own pydantic class.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omnirl_core.errors import ConfigError, did_you_mean
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(True, description="Train a LoRA adapter (False: full fine-tuning).")
+    rank: int = Field(16, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (scale = alpha / rank).")
+    target_modules: list[str] | None = Field(
+        None, description="Module names to adapt; None takes the model plugin's default targets."
+    )
+
+
+class ModelSection(Section):
+    name: str = Field("", description="Model component name, e.g. 'qwen-image' (or 'plugin:name').")
+    preset: str | None = Field(None, description="Build a preset (e.g. 'tiny': random weights, built locally).")
+    path: str | None = Field(None, description="Local directory or hub id; None takes the model's default.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights dtype.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the model plugin.")
+
+
+class AlgorithmSection(Section):
+    name: str = Field("", description="Algorithm component name, e.g. 'flowgrpo'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the algorithm plugin.")
+
+
+class RolloutSection(Section):
+    engine: str = Field("diffusers", description="Rollout engine component.")
+    prompts_per_step: int = Field(4, ge=1, description="Distinct prompts per training step (B).")
+    group_size: int = Field(8, ge=1, description="Samples per prompt (G).")
+    num_steps: int = Field(10, ge=1, description="Denoising steps per sample.")
+    height: int = Field(512, ge=8, description="Image height in pixels.")
+    width: int = Field(512, ge=8, description="Image width in pixels.")
+    num_frames: int | None = Field(None, ge=1, description="Frames for video models; None for images.")
+    guidance_scale: float = Field(1.0, ge=1.0, description="CFG scale; 1.0 turns CFG off (one branch).")
+    negative_prompt: str = Field(" ", description="Negative prompt of the unconditional CFG branch.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the rollout engine.")
+
+
+class TrainSection(Section):
+    engine: str = Field("torch", description="Training engine component.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (batch split).")
+    micro_batch_size: int = Field(16, ge=1, description="Transitions per forward/backward call.")
+    old_logprob: Literal["recompute", "bypass"] = Field(
+        "recompute",
+        description="Old log-probs: recompute with the pre-update weights, or take the rollout's (bypass).",
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the training engine.")
+
+
+class RewardEntry(Section):
+    name: str = Field(..., description="Reward component name.")
+    weight: float = Field(1.0, description="Weight in the summed reward.")
+    required: bool = Field(True, description="A failing required reward fails the step; an optional one is logged.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the reward plugin.")
+
+
+class DataSection(Section):
+    prompts: str | list[str] | None = Field(
+        None, description="A .txt (one per line) or .jsonl ({'prompt': ...}) file, or a list; None takes the "
+        "first reward's suggested prompts."
+    )
+
+
+class RunSection(Section):
+    steps: int = Field(100, ge=1, description="Training steps.")
+    seed: int = Field(0, description="Seed of prompts, noise and initialisation.")
+    output_dir: str | None = Field(None, description="Run directory; None makes runs/<model>-<algo>-<time>.")
+    device: str = Field("auto", description="Device plugin name, or 'auto' (the best available).")
+    executor: Literal["inline"] = Field("inline", description="Where worker groups run.")
+    save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
+    sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
+    log_every: int = Field(1, ge=1, description="Progress update every N steps.")
+
+
+class RunConfig(Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    rewards: list[RewardEntry] = Field(default_factory=list)
+    data: DataSection = Field(default_factory=DataSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+
+# -- layering -------------------------------------------------------------------------------------
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``override`` into a copy of ``base``; dicts merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Recipe '{path}' not found.", hint="Pass an existing YAML file to --recipe.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"Recipe '{path}' is not valid YAML.", details=[str(exc)]) from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"Recipe '{path}' must be a mapping at the top level, not {type(data).__name__}.")
+    return data
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"Bad --set '{item}': expected KEY=VALUE.", hint="Example: --set train.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        set_path(out, key.strip(), value)
+    return out
+
+
+def set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            node = node[idx]
+            continue
+        nxt = parts[i + 1]
+        node = node.setdefault(part, [] if nxt.isdigit() else {})
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append({})
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def get_path(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+def _fields_at(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names valid at ``loc`` (for did-you-mean on an unknown key)."""
+    cls: Any = model_cls
+    for part in loc:
+        if isinstance(part, int) or cls is None:
+            continue
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cls is None:
+            for arg in getattr(ann, "__args__", ()):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    cls = arg
+    return list(getattr(cls, "model_fields", {})) if cls is not None else []
+
+
+def validation_problems(exc: ValidationError, model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc))
+        if err["type"] == "extra_forbidden":
+            hint = did_you_mean(str(loc[-1]), _fields_at(model_cls, loc[:-1]))
+            problems.append(f"  {path}: unknown key.{hint}")
+        else:
+            problems.append(f"  {path}: {err['msg']} (got {err.get('input')!r})")
+    return problems
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = validation_problems(exc, RunConfig)
+        raise ConfigError(
+            f"Invalid configuration: {len(problems)} problem(s).",
+            details=problems,
+            hint="Fix the recipe or --set values; `omnirl config show` prints every key with its default.",
+        ) from exc
+
+
+def validate_options(options: dict[str, Any], config_cls: type[BaseModel] | None, path: str) -> BaseModel | None:
+    """Validate one plugin's ``options`` namespace; returns the typed options (or None without a schema)."""
+    if config_cls is None:
+        if options:
+            raise ConfigError(
+                f"{path}: this plugin takes no options, got {sorted(options)}.",
+                hint=f"Remove {path} from the recipe or --set.",
+            )
+        return None
+    try:
+        return config_cls.model_validate(options)
+    except ValidationError as exc:
+        problems = validation_problems(exc, config_cls, path)
+        raise ConfigError(
+            f"Invalid options for {path}: {len(problems)} problem(s).",
+            details=problems,
+            hint="See the plugin's options with `omnirl config show` or its README.",
+        ) from exc
+
+
+def redacted_dump(model: BaseModel) -> dict[str, Any]:
+    """A JSON-safe dump with secrets shown as '**********'."""
+    return model.model_dump(mode="json")

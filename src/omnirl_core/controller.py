@@ -1,0 +1,154 @@
+"""The single controller: prompts -> rollout -> reward -> advantage -> update -> (sync) -> metrics.
+
+Plain Python; the executor owns every tensor. Prompts and seeds depend only on (run seed, step), so a
+resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omnirl_core.data import PromptSampler, load_prompts
+from omnirl_core.errors import ConfigError
+from omnirl_core.executors import EXECUTORS
+from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.registry import load_object
+from omnirl_core.resolve import ResolvedRun
+from omnirl_core.tracking import RunDir
+
+log = logging.getLogger("omnirl")
+
+
+def request_seed(run_seed: int, step: int, index: int) -> int:
+    return ((run_seed * 1_000_003 + step) * 100_003 + index) % (2**62)
+
+
+def summarise_rewards(samples: list[Sample], names: list[str]) -> dict[str, float]:
+    rewards = [s.reward for s in samples]
+    out = {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+    }
+    for name in names:
+        values = [s.rewards[name] for s in samples if name in s.rewards]
+        out[f"reward/{name}"] = statistics.fmean(values) if values else float("nan")
+    return out
+
+
+class Controller:
+    def __init__(self, resolved: ResolvedRun, run_dir: Path, on_step: Callable[[dict[str, Any]], None] | None = None):
+        self.resolved = resolved
+        self.cfg = resolved.config
+        self.run_dir = RunDir(run_dir)
+        self.on_step = on_step
+        self.algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), self.cfg)
+        self.executor = EXECUTORS[self.cfg.run.executor](resolved)
+        self.prompts = PromptSampler(self._prompts(), self.cfg.run.seed)
+        self.start_step = 1
+
+    def _prompts(self) -> list[str]:
+        source = self.cfg.data.prompts
+        if source is None:
+            for spec in self.resolved.rewards:
+                if spec.default_prompts is not None:
+                    return list(load_object(spec.default_prompts))
+            raise ConfigError("No prompts: set data.prompts (a .txt/.jsonl file or a list).",
+                              hint="Example: --set data.prompts=prompts.txt")
+        return load_prompts(source)
+
+    def requests(self, step: int) -> list[GenRequest]:
+        cfg = self.cfg
+        plan = self.algorithm.plan(step)
+        out = []
+        for b, (pidx, prompt) in enumerate(self.prompts.draw(step, cfg.rollout.prompts_per_step)):
+            group_noise = request_seed(cfg.run.seed, step, 1_000_000 + b)
+            for g in range(cfg.rollout.group_size):
+                uid = b * cfg.rollout.group_size + g
+                seed = request_seed(cfg.run.seed, step, uid)
+                out.append(GenRequest(
+                    uid=uid, prompt=prompt, prompt_index=pidx, group=b, seed=seed,
+                    height=cfg.rollout.height, width=cfg.rollout.width, num_frames=cfg.rollout.num_frames,
+                    guidance_scale=cfg.rollout.guidance_scale, plan=plan,
+                    noise_seed=group_noise if plan.shared_initial_noise else seed,
+                ))
+        return out
+
+    def setup(self) -> None:
+        from omnirl_core.checkpoint import latest_checkpoint
+
+        self.executor.setup(self.algorithm)
+        ckpt = latest_checkpoint(self.run_dir.path)
+        if ckpt is not None:
+            state = self.executor.load(ckpt)
+            self.start_step = int(state["step"]) + 1
+            if hasattr(self.algorithm, "load_state") and "algorithm" in state:
+                self.algorithm.load_state(state["algorithm"])
+            self.run_dir.truncate_metrics(int(state["step"]))
+            log.info("resumed from %s (step %d)", ckpt, state["step"])
+
+    def checkpoint(self, step: int) -> Path:
+        extra = {"algorithm": self.algorithm.state() if hasattr(self.algorithm, "state") else {}}
+        return self.executor.save(self.run_dir.path, step, extra)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        samples = self.executor.generate(self.requests(step))
+        samples.sort(key=lambda s: s.request.uid)  # the engine may finish them out of order
+        t1 = time.perf_counter()
+        failed = self.executor.score(samples)
+        t2 = time.perf_counter()
+        adv_metrics = self.algorithm.assign_advantages(samples)
+        units = self.algorithm.training_units(samples)
+        train_metrics = self.executor.update(self.algorithm, units, step)
+        t3 = time.perf_counter()
+        record: dict[str, Any] = {"step": step}
+        record.update(summarise_rewards(samples, [e.name for e in cfg.rewards]))
+        record.update(failed)
+        record.update(adv_metrics)
+        record.update(train_metrics)
+        record.update({
+            "time/rollout_s": t1 - t0,
+            "time/reward_s": t2 - t1,
+            "time/train_s": t3 - t2,
+            "time/step_s": t3 - t0,
+            "images_per_s": len(samples) / max(t1 - t0, 1e-9),
+        })
+        last = step == cfg.run.steps
+        if step % cfg.run.sample_every == 0 or step == 1 or last:
+            self.run_dir.save_grid(step, [s.image for s in samples], [s.prompt for s in samples],
+                                   columns=cfg.rollout.group_size)
+        return record
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.setup()
+        last_saved = completed = self.start_step - 1
+        try:
+            for step in range(self.start_step, cfg.run.steps + 1):
+                record = self.train_step(step)
+                if not all(math.isfinite(v) for k, v in record.items() if k.startswith(("loss", "reward/mean"))):
+                    raise FloatingPointError(f"non-finite loss or reward at step {step}: {record}")
+                self.run_dir.append_metrics(record)
+                completed = step
+                if step % cfg.run.save_every == 0 or step == cfg.run.steps:
+                    self.checkpoint(step)
+                    last_saved = step
+                if self.on_step:
+                    self.on_step(record)
+        except KeyboardInterrupt:
+            if completed > last_saved:
+                self.checkpoint(completed)
+                log.warning("interrupted: saved a checkpoint at step %d; rerun the same command to resume",
+                            completed)
+            raise
+        finally:
+            self.run_dir.plot_rewards()
+            self.executor.close()
+        return {"steps": cfg.run.steps, "run_dir": str(self.run_dir.path)}

@@ -1,0 +1,130 @@
+"""What every diffusers-style flow model plugin shares: LoRA through peft, the frozen reference, and
+saving weights in the ecosystem's own layout. A model plugin subclasses ``DenoiserModel`` and writes only
+its architecture-specific parts (encode, latent shape, schedule, velocity, decode)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnirl_core.config import LoraConfig
+
+
+class DenoiserModel:
+    """Base class: ``self.denoiser`` is the trained network, ``self.pipeline`` the diffusers pipeline."""
+
+    capabilities: frozenset[str] = frozenset()
+    default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def __init__(self, pipeline: Any, denoiser: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+        self.pipeline = pipeline
+        self.denoiser = denoiser
+        self.device = device
+        self.dtype = dtype
+        self.lora: LoraConfig | None = None
+        self._reference_copy: torch.nn.Module | None = None
+        self._in_reference = False
+
+    # -- training setup ------------------------------------------------------------------------
+    def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
+        """Freeze everything, then make trainable either a fresh LoRA adapter or the whole denoiser."""
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+        self.denoiser.requires_grad_(False)
+        if lora.enabled:
+            from peft import LoraConfig as PeftLoraConfig
+
+            targets = lora.target_modules or list(self.default_lora_targets)
+            self.denoiser.add_adapter(
+                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=True)
+            )
+            self.lora = lora
+        else:
+            self.denoiser.requires_grad_(True)
+            if need_reference:
+                self._reference_copy = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
+        self.denoiser.train()
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Modules never trained (text encoders, VAE)."""
+        return []
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen reference policy: the base model (LoRA disabled, or a copy made before training)."""
+        if self.lora is not None:
+            self.denoiser.disable_adapters()
+            try:
+                yield
+            finally:
+                self.denoiser.enable_adapters()
+        elif self._reference_copy is not None:
+            trained, self.denoiser = self.denoiser, self._reference_copy
+            try:
+                yield
+            finally:
+                self.denoiser = trained
+        else:
+            raise RuntimeError("no reference policy: call setup_training(need_reference=True) first")
+
+    # -- weights -------------------------------------------------------------------------------
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights: the LoRA state (peft names) or the full denoiser state."""
+        if self.lora is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.denoiser).items()}
+        return {k: v.detach().cpu().contiguous() for k, v in self.denoiser.state_dict().items()}
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            from peft.utils import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.denoiser, state)
+            unexpected = getattr(result, "unexpected_keys", None)
+            if unexpected:
+                raise ValueError(f"LoRA state has unexpected keys: {unexpected[:5]}")
+        else:
+            self.denoiser.load_state_dict(state)
+
+    def save_trained(self, directory: Path) -> list[str]:
+        """Write the trained weights in the layout diffusers reads back; returns the files written.
+
+        LoRA: ``pytorch_lora_weights.safetensors`` for ``pipeline.load_lora_weights(directory)``.
+        Full: ``<denoiser>/`` via ``save_pretrained`` (safetensors), for ``from_pretrained``.
+        """
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            layers = get_peft_model_state_dict(self.denoiser)
+            type(self.pipeline).save_lora_weights(
+                save_directory=str(directory), transformer_lora_layers=layers, safe_serialization=True
+            )
+            return ["pytorch_lora_weights.safetensors"]
+        self.denoiser.save_pretrained(str(directory / "transformer"), safe_serialization=True)
+        return ["transformer/"]
+
+    def load_trained(self, directory: Path) -> None:
+        """Load what ``save_trained`` wrote (resume)."""
+        from safetensors.torch import load_file
+
+        if self.lora is not None:
+            state = load_file(str(directory / "pytorch_lora_weights.safetensors"))
+            prefix = "transformer."
+            self.load_trained_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v
+                                          for k, v in state.items()})
+        else:
+            weights = sorted((directory / "transformer").glob("*.safetensors"))
+            state = {}
+            for file in weights:
+                state.update(load_file(str(file)))
+            self.load_trained_state_dict(state)

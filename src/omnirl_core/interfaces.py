@@ -1,0 +1,181 @@
+"""The contracts between plugins: requests, samples, conditioning, and the model / reward / algorithm /
+engine protocols. Plain data and typing only; torch is imported lazily by the types that hold tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """How one sample is rolled out: a sampler kind per denoising step and the steps that are trained.
+
+    ``step_kinds[i]`` is 'ode', 'sde', 'cps' or 'dance'. Steps in ``train_steps`` must be stochastic.
+    """
+
+    step_kinds: tuple[str, ...]
+    train_steps: tuple[int, ...]
+    eta: float = 0.0
+    shared_initial_noise: bool = False
+    """All samples of a group start from the same initial noise (DanceGRPO)."""
+
+    def __post_init__(self) -> None:
+        for i in self.train_steps:
+            if not 0 <= i < len(self.step_kinds):
+                raise ValueError(f"train step {i} outside 0..{len(self.step_kinds) - 1}")
+            if self.step_kinds[i] == "ode":
+                raise ValueError(f"train step {i} is an ODE step: it has no log-prob")
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_kinds)
+
+
+@dataclass
+class GenRequest:
+    """One sample to generate. Seeds make it reproducible whatever else shares its batches."""
+
+    uid: int
+    prompt: str
+    prompt_index: int
+    group: int
+    seed: int
+    height: int
+    width: int
+    plan: RolloutPlan
+    guidance_scale: float = 1.0
+    num_frames: int | None = None
+    noise_seed: int | None = None
+    """Seed of the initial latent; samples of a group share it when the algorithm asks (DanceGRPO)."""
+    arrival_s: float = 0.0
+
+
+@dataclass
+class Sample:
+    """A finished rollout: the trajectory, its log-probs, the decoded output and its rewards."""
+
+    request: GenRequest
+    latents: torch.Tensor  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent
+    sigmas: torch.Tensor  # (T + 1,) fp32
+    logprobs: torch.Tensor  # (T,) fp32, NaN for ODE steps
+    image: torch.Tensor  # decoded output in [0, 1]: (3, H, W), or (3, F, H, W) for video
+    rewards: dict[str, float] = field(default_factory=dict)
+    reward: float = float("nan")
+    advantage: float = 0.0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        return self.request.prompt
+
+
+@dataclass
+class Conditioning:
+    """A batch of model conditioning: tensors with the batch on dim 0.
+
+    Tensors named in ``pad_keys`` are sequences (dim 1) padded with zeros when batches are concatenated
+    (their masks, also in ``pad_keys``, pad with zeros = "not a token").
+    """
+
+    tensors: dict[str, Any]
+    pad_keys: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def select(self, index: Sequence[int]) -> Conditioning:
+        import torch
+
+        idx = torch.as_tensor(list(index), dtype=torch.long)
+        return Conditioning({k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()},
+                            self.pad_keys)
+
+    def to(self, device: Any) -> Conditioning:
+        return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, self.pad_keys)
+
+    @staticmethod
+    def cat(items: Sequence[Conditioning]) -> Conditioning:
+        import torch
+
+        first = items[0]
+        out = {}
+        for key in first.tensors:
+            parts = [c.tensors[key] for c in items]
+            if key in first.pad_keys:
+                length = max(p.shape[1] for p in parts)
+                parts = [
+                    torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, length - p.shape[1]))
+                    if p.shape[1] < length else p
+                    for p in parts
+                ]
+            out[key] = torch.cat(parts, dim=0)
+        return Conditioning(out, first.pad_keys)
+
+
+@runtime_checkable
+class FlowModel(Protocol):
+    """The step contract every flow-matching model implements once; every flow algorithm then works."""
+
+    capabilities: frozenset[str]
+
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Conditioning for a batch of prompts (cacheable per prompt while the text encoder is unchanged)."""
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Per-sample latent shape for an output size."""
+
+    def sigmas(self, num_steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The model's (shifted) sigma schedule: ``num_steps + 1`` values from 1 down to 0, fp32."""
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float = 1.0,
+        uncond: Conditioning | None = None,
+    ) -> torch.Tensor:
+        """One batched transformer call (two with CFG; the unconditional branch without grad), fp32 out."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> outputs in [0, 1]: images (B, 3, H, W) or videos (B, 3, F, H, W)."""
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (LoRA weights, or the whole denoiser)."""
+
+    def reference(self) -> AbstractContextManager[None]:
+        """Within this context ``velocity`` is the frozen reference policy (LoRA disabled / base copy)."""
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Scores decoded samples. Returns one float per sample (higher is better)."""
+
+    def __call__(self, images: Sequence[torch.Tensor], prompts: Sequence[str]) -> list[float]: ...
+
+
+class Algorithm(Protocol):
+    """An RL algorithm over the model contract: rollout plan, advantages, training units and loss."""
+
+    def plan(self, step: int) -> RolloutPlan: ...
+
+    def assign_advantages(self, samples: list[Sample]) -> dict[str, float]: ...
+
+    def training_units(self, samples: list[Sample]) -> list[Any]: ...
+
+    def prepare(self, model: FlowModel, units: list[Any]) -> dict[str, float]:
+        """Called without grad before the update, one micro-batch at a time (old log-probs, reference)."""
+
+    def loss(self, model: FlowModel, units: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Mean loss over ``units`` (with grad) and metrics to average."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
+        """Generate every request; yields finished samples as they complete (possibly out of order)."""

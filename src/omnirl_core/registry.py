@@ -1,0 +1,211 @@
+"""Component specs and the registries that resolve a name to one of them."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from omnirl_core.errors import PluginError, did_you_mean
+
+
+def load_object(ref: Any) -> Any:
+    """Import ``"module:attr"`` (or return ``ref`` when it is already an object)."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class ComponentSpec:
+    """What every component declares. ``factory`` and ``config`` may be ``"module:attr"`` strings."""
+
+    kind: ClassVar[str] = "component"
+    name: str
+    factory: Any
+    description: str = ""
+    aliases: tuple[str, ...] = ()
+    config: Any = None
+    plugin: str = ""  # filled in by the registry: the plugin that registered it
+    version: str = ""
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.plugin}:{self.name}" if self.plugin else self.name
+
+    def load_factory(self) -> Callable[..., Any]:
+        return load_object(self.factory)
+
+    def load_config(self):
+        """The pydantic class of this component's ``options`` (None when it has none)."""
+        return load_object(self.config) if self.config is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "plugin": self.plugin,
+            "version": self.version,
+            "aliases": list(self.aliases),
+            "description": self.description,
+        }
+
+
+@dataclass
+class ModelSpec(ComponentSpec):
+    kind: ClassVar[str] = "model"
+    capabilities: frozenset[str] = frozenset()
+    presets: tuple[str, ...] = ()
+    default_path: str = ""
+    recipe_defaults: dict[str, Any] = field(default_factory=dict)
+    """Config values this model suggests (lowest layer, under the recipe and --set)."""
+    preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Extra suggested values per preset, e.g. a small resolution for ``tiny``."""
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **super().summary(),
+            "capabilities": sorted(self.capabilities),
+            "presets": list(self.presets),
+            "default_path": self.default_path,
+        }
+
+
+@dataclass
+class AlgorithmSpec(ComponentSpec):
+    kind: ClassVar[str] = "algorithm"
+    requires: frozenset[str] = frozenset()
+    needs_logprobs: bool = True
+    needs_reference: bool = False
+    needs_pairs: bool = False
+    needs_ema: bool = False
+    recipe_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **super().summary(),
+            "requires": sorted(self.requires),
+            "needs_logprobs": self.needs_logprobs,
+            "needs_reference": self.needs_reference,
+            "needs_pairs": self.needs_pairs,
+            "needs_ema": self.needs_ema,
+        }
+
+
+@dataclass
+class EngineSpec(ComponentSpec):
+    kind: ClassVar[str] = "engine"
+    roles: frozenset[str] = frozenset()
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "roles": sorted(self.roles), "devices": sorted(self.devices)}
+
+
+@dataclass
+class RewardSpec(ComponentSpec):
+    kind: ClassVar[str] = "reward"
+    modality: str = "image"
+    batched: bool = True
+    resources: dict[str, float] = field(default_factory=dict)
+    default_prompts: Any = None
+    """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **super().summary(),
+            "modality": self.modality,
+            "batched": self.batched,
+            "resources": dict(self.resources),
+        }
+
+
+@dataclass
+class DeviceSpec(ComponentSpec):
+    """Hardware. ``factory`` is the probe: ``() -> int`` (devices available), cheap, never raises."""
+
+    kind: ClassVar[str] = "device"
+    torch_device: str = "cpu"
+    backend: str = "gloo"
+    ray_resource: str = "CPU"
+    visible_devices_env: str = ""
+    priority: int = 0
+    """``--device auto`` picks the available device with the highest priority."""
+
+    def available(self) -> int:
+        try:
+            return int(self.load_factory()())
+        except Exception:  # a probe must never take a run down
+            return 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            **super().summary(),
+            "torch_device": self.torch_device,
+            "backend": self.backend,
+            "ray_resource": self.ray_resource,
+            "visible_devices_env": self.visible_devices_env,
+            "priority": self.priority,
+        }
+
+
+SPEC_FOR_KIND: dict[str, type[ComponentSpec]] = {
+    cls.kind: cls for cls in (ModelSpec, AlgorithmSpec, EngineSpec, RewardSpec, DeviceSpec)
+}
+
+
+class Registry:
+    """Components of one kind. Duplicate names are kept; picking an ambiguous one needs ``plugin:name``."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._specs: list[ComponentSpec] = []
+
+    def add(self, spec: ComponentSpec) -> None:
+        expected = SPEC_FOR_KIND[self.kind]
+        if not isinstance(spec, expected):
+            raise PluginError(
+                f"Plugin '{spec.plugin}' registered a {type(spec).__name__} through the {self.kind} hook.",
+                hint=f"Register a {expected.__name__} in omnirl_register_{self.kind}s.",
+            )
+        self._specs.append(spec)
+
+    def __iter__(self):
+        return iter(sorted(self._specs, key=lambda s: (s.name, s.plugin)))
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def names(self) -> list[str]:
+        return sorted({s.name for s in self._specs})
+
+    def resolve(self, name: str) -> ComponentSpec:
+        plugin, sep, short = name.rpartition(":")
+        candidates = [
+            s for s in self._specs if short == s.name or short in s.aliases
+        ]
+        if sep:
+            candidates = [s for s in candidates if s.plugin == plugin]
+        if len(candidates) == 1:
+            return candidates[0]
+        if not candidates:
+            known = self.names()
+            aliases = [a for s in self._specs for a in s.aliases]
+            installed = ", ".join(known) if known else "none"
+            raise PluginError(
+                f"Unknown {self.kind} '{name}'.{did_you_mean(short, known + aliases)} Installed: {installed}.",
+                hint=(
+                    f"Install a plugin that provides it (pip install omnirl-plugin-<name>); "
+                    f"see `omnirl plugins list` and `omnirl {self.kind}s`."
+                ),
+            )
+        options = ", ".join(s.qualified_name for s in candidates)
+        raise PluginError(
+            f"The {self.kind} name '{name}' is ambiguous: {len(candidates)} plugins provide it ({options}).",
+            hint=f"Pick one by its qualified name, e.g. '{candidates[0].qualified_name}'.",
+        )

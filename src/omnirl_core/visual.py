@@ -1,0 +1,75 @@
+"""Pictures of a run: sample grids and the reward curve (PIL only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PIL import Image, ImageDraw, ImageFont
+
+
+def to_pil(image: Any, min_side: int = 96) -> Image.Image:
+    """(3, H, W) in [0, 1] -> PIL, upscaled (nearest) so tiny images stay visible; video (3, F, H, W) ->
+    a strip of its frames."""
+    import numpy as np
+
+    arr = image.detach().float().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+    if arr.ndim == 4:  # video: frames side by side
+        arr = np.concatenate(list(arr.transpose(1, 0, 2, 3)), axis=-1)
+    pil = Image.fromarray((arr.transpose(1, 2, 0).clip(0, 1) * 255).round().astype("uint8"))
+    scale = max(1, min_side // max(1, min(pil.size)))
+    return pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST) if scale > 1 else pil
+
+
+def image_grid(images: list[Any], prompts: list[str], columns: int) -> Image.Image:
+    tiles = [to_pil(im) for im in images]
+    w, h = tiles[0].size
+    label_h = 14
+    rows = (len(tiles) + columns - 1) // columns
+    grid = Image.new("RGB", (columns * w, rows * (h + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    font = ImageFont.load_default()
+    for i, tile in enumerate(tiles):
+        r, c = divmod(i, columns)
+        grid.paste(tile, (c * w, r * (h + label_h) + label_h))
+        if c == 0:
+            draw.text((2, r * (h + label_h) + 1), prompts[i][: columns * w // 6], fill="black", font=font)
+    return grid
+
+
+def reward_curve(records: list[dict[str, Any]], width: int = 640, height: int = 360) -> Image.Image:
+    """Mean reward per step with a +-std band, plus a moving average."""
+    steps = [r["step"] for r in records]
+    means = [r["reward/mean"] for r in records]
+    stds = [r.get("reward/std", 0.0) for r in records]
+    lo = min(m - s for m, s in zip(means, stds))
+    hi = max(m + s for m, s in zip(means, stds))
+    if hi - lo < 1e-9:
+        hi, lo = hi + 0.5, lo - 0.5
+    ml, mr, mt, mb = 60, 20, 30, 40
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    s0, s1 = min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1
+
+    def xy(step: float, value: float) -> tuple[float, float]:
+        x = ml + (step - s0) / (s1 - s0) * (width - ml - mr)
+        y = mt + (hi - value) / (hi - lo) * (height - mt - mb)
+        return x, y
+
+    band = [xy(s, m + sd) for s, m, sd in zip(steps, means, stds)]
+    band += [xy(s, m - sd) for s, m, sd in reversed(list(zip(steps, means, stds)))]
+    if len(band) >= 3:
+        d.polygon(band, fill=(210, 225, 245))
+    d.line([xy(s, m) for s, m in zip(steps, means)], fill=(40, 90, 200), width=1)
+    k = max(1, len(means) // 10)
+    smooth = [sum(means[max(0, i - k + 1): i + 1]) / len(means[max(0, i - k + 1): i + 1]) for i in range(len(means))]
+    d.line([xy(s, m) for s, m in zip(steps, smooth)], fill=(200, 60, 40), width=2)
+    d.rectangle([ml, mt, width - mr, height - mb], outline="black")
+    for frac in (0.0, 0.5, 1.0):
+        value = lo + frac * (hi - lo)
+        _, y = xy(s0, value)
+        d.text((4, y - 5), f"{value:.3f}", fill="black", font=font)
+    d.text((ml, height - mb + 6), f"step {s0}", fill="black", font=font)
+    d.text((width - mr - 60, height - mb + 6), f"step {s1}", fill="black", font=font)
+    d.text((ml, 8), "reward/mean (blue, band = +-std), moving average (red)", fill="black", font=font)
+    return img
