@@ -122,7 +122,7 @@ class Controller:
         })
         last = step == cfg.run.steps
         if step % cfg.run.sample_every == 0 or step == 1 or last:
-            self.run_dir.save_grid(step, [s.image for s in samples], [s.prompt for s in samples],
+            self.run_dir.save_grid(step, [s.output for s in samples], [s.prompt for s in samples],
                                    columns=cfg.rollout.group_size)
         return record
 

@@ -61,10 +61,10 @@ class Sample:
     """A finished rollout: the trajectory, its log-probs, the decoded output and its rewards."""
 
     request: GenRequest
-    latents: torch.Tensor  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent
-    sigmas: torch.Tensor  # (T + 1,) fp32
-    logprobs: torch.Tensor  # (T,) fp32, NaN for ODE steps
-    image: torch.Tensor  # decoded output in [0, 1]: (3, H, W), or (3, F, H, W) for video
+    latents: Any  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent (None for AR)
+    sigmas: Any  # (T + 1,) fp32 (None for AR)
+    logprobs: Any  # (T,) fp32, NaN for ODE steps; per-token log-probs for AR models
+    output: Any  # decoded output: image (3, H, W) in [0, 1], video (3, F, H, W), or text (str)
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = float("nan")
     advantage: float = 0.0
@@ -157,7 +157,7 @@ class FlowModel(Protocol):
 class Reward(Protocol):
     """Scores decoded samples. Returns one float per sample (higher is better)."""
 
-    def __call__(self, images: Sequence[torch.Tensor], prompts: Sequence[str]) -> list[float]: ...
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]: ...
 
 
 class Algorithm(Protocol):

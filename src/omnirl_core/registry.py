@@ -85,6 +85,9 @@ class AlgorithmSpec(ComponentSpec):
     needs_pairs: bool = False
     needs_ema: bool = False
     recipe_defaults: dict[str, Any] = field(default_factory=dict)
+    preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Suggested values when the model runs a given preset, e.g. ``tiny``: random-weight development models
+    learn with other hyperparameters than released checkpoints. Applied above the model's preset values."""
 
     def summary(self) -> dict[str, Any]:
         return {

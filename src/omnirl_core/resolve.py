@@ -80,6 +80,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     defaults = deep_merge(model_spec.recipe_defaults, algo_spec.recipe_defaults)
     if preset is not None:
         defaults = deep_merge(defaults, model_spec.preset_defaults.get(preset, {}))
+        defaults = deep_merge(defaults, algo_spec.preset_defaults.get(preset, {}))
     merged = defaults
     for layer in layers:
         merged = deep_merge(merged, layer)

@@ -43,12 +43,12 @@ class RewardSet:
         if not samples:
             return {}
         start = time.perf_counter()
-        images = [s.image for s in samples]
+        outputs = [s.output for s in samples]
         prompts = [s.prompt for s in samples]
         failed: dict[str, float] = {}
         for reward in self.rewards:
             try:
-                values = list(reward.fn(images, prompts))
+                values = list(reward.fn(outputs, prompts))
                 if len(values) != len(samples):
                     raise ValueError(f"returned {len(values)} scores for {len(samples)} samples")
                 bad = [v for v in values if not math.isfinite(float(v))]

@@ -17,5 +17,10 @@ def omnirl_register_algorithms(register):
             requires=frozenset({"flow-matching", "sde-logprob"}),
             needs_logprobs=True,
             needs_reference=True,
+            preset_defaults={
+                # random-weight tiny models: per-group std (prompts differ a lot in reward), a wider clip
+                # for lr 1e-2, and a light KL
+                "tiny": {"algorithm": {"options": {"clip_range": 1e-3, "beta": 0.004, "global_std": False}}},
+            },
         )
     )

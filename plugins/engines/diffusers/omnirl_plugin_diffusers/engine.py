@@ -83,5 +83,5 @@ class DiffusersRolloutEngine:
         latents = torch.stack(trajectory, dim=1)
         for j, r in enumerate(batch):
             yield Sample(request=r, latents=latents[j], sigmas=sigmas.clone(), logprobs=logprobs[j].clone(),
-                         image=images[j],
+                         output=images[j],
                          extras={"cond": cond[r.prompt], "uncond": uncond})

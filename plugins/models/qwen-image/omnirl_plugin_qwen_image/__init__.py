@@ -24,10 +24,10 @@ def omnirl_register_models(register):
                 "tiny": {
                     "rollout": {"height": 32, "width": 32, "num_steps": 6, "guidance_scale": 1.0,
                                 "prompts_per_step": 4, "group_size": 8},
-                    "train": {"lr": 3e-3, "minibatches": 2, "micro_batch_size": 40},
+                    "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
                     "model": {"lora": {"rank": 16, "alpha": 16}},
                     "rewards": [{"name": "color"}],
-                    "run": {"steps": 60, "save_every": 20, "sample_every": 10},
+                    "run": {"steps": 200, "save_every": 50, "sample_every": 20},
                 }
             },
         )

@@ -34,7 +34,11 @@ class QwenImageOptions(BaseModel):
 
 class QwenImageModel(DenoiserModel):
     capabilities = frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "image"})
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    # both streams of the joint attention and both MLPs: the image stream reads the prompt only through them
+    default_lora_targets = (
+        "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+    )
 
     def __init__(self, pipeline: Any, options: QwenImageOptions, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, pipeline.transformer, device, dtype)
