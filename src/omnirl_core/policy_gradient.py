@@ -1,0 +1,167 @@
+"""The policy-gradient machinery every log-prob-based flow algorithm shares (FlowGRPO and its relatives).
+
+An algorithm plugin subclasses ``FlowPolicyGradient`` and changes only what its paper changes: the
+rollout plan (``plan``), the advantage (``assign_advantages``), which steps are trained
+(``training_units``) or the per-transition objective (``surrogate``). Nothing here names a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnirl_core.advantage import group_advantages
+from omnirl_core.config import RunConfig
+from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
+from omnirl_core.sampler import gaussian_kl, step_mean, transition_logprob
+
+
+@dataclass
+class Transition:
+    """One trained step j of one sample: x_j -> x_{j+1}."""
+
+    sample: Sample
+    step: int
+    old_logprob: torch.Tensor | None = None
+    old_mean: torch.Tensor | None = None
+    ref_mean: torch.Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rollout_logprob(self) -> torch.Tensor:
+        return self.sample.logprobs[self.step]
+
+    @property
+    def kind(self) -> str:
+        return self.sample.request.plan.step_kinds[self.step]
+
+
+@dataclass
+class TransitionBatch:
+    x: torch.Tensor
+    x_next: torch.Tensor
+    s: torch.Tensor
+    s_next: torch.Tensor
+    sigma_max: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    guidance_scale: float
+
+
+def stack_transitions(units: list[Transition], device: Any) -> TransitionBatch:
+    """Batched inputs of the transitions (x_j, x_{j+1}, s_j, s_{j+1}, conditioning)."""
+    x = torch.stack([u.sample.latents[u.step] for u in units]).to(device)
+    x_next = torch.stack([u.sample.latents[u.step + 1] for u in units]).to(device)
+    s = torch.stack([u.sample.sigmas[u.step] for u in units]).to(device)
+    s_next = torch.stack([u.sample.sigmas[u.step + 1] for u in units]).to(device)
+    sigma_max = torch.stack([u.sample.sigmas[1] for u in units]).to(device)
+    cond = Conditioning.cat([u.sample.extras["cond"] for u in units]).to(device)
+    scale = units[0].sample.request.guidance_scale
+    uncond = None
+    if scale > 1.0:
+        uncond = Conditioning.cat([u.sample.extras["uncond"] for u in units]).to(device)
+    return TransitionBatch(x, x_next, s, s_next, sigma_max, cond, uncond, scale)
+
+
+def transition_stats(model: Any, units: list[Transition], eta: float):
+    """(mean, std, logp, batch) of the stored transitions under the model's current weights.
+
+    All units of one call share a sampler kind (the trainer's micro-batches come from one plan)."""
+    kind = units[0].kind
+    batch = stack_transitions(units, getattr(model, "device", torch.device("cpu")))
+    v = model.velocity(batch.x, batch.s, batch.cond, batch.guidance_scale, batch.uncond)
+    mean, std = step_mean(kind, batch.x, v, batch.s, batch.s_next, eta, batch.sigma_max)
+    return mean, std, transition_logprob(kind, batch.x_next, mean, std), batch
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """PPO: max(-A rho, -A clip(rho, 1 - e, 1 + e)), per transition."""
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
+
+
+class FlowPolicyGradient:
+    """FlowGRPO's structure. Subclasses read these option names from their own config class:
+    ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
+
+    def __init__(self, options: Any, config: RunConfig):
+        self.options = options
+        self.config = config
+        self.uses_reference = getattr(options, "beta", 0.0) > 0
+        self.num_steps = config.rollout.num_steps
+
+    # -- rollout -------------------------------------------------------------------------------
+    def plan(self, step: int) -> RolloutPlan:
+        raise NotImplementedError
+
+    # -- advantages ----------------------------------------------------------------------------
+    def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        rewards = torch.tensor([s.reward for s in samples])
+        groups = torch.tensor([s.request.group for s in samples])
+        adv = group_advantages(rewards, groups, global_std=self.options.global_std, clip=self.options.adv_clip)
+        for sample, a in zip(samples, adv.tolist()):
+            sample.advantage = a
+        return {"advantage/abs_mean": float(adv.abs().mean())}
+
+    def training_units(self, samples: list[Sample]) -> list[Transition]:
+        return [Transition(s, j) for s in samples for j in s.request.plan.train_steps]
+
+    # -- update --------------------------------------------------------------------------------
+    @property
+    def recompute(self) -> bool:
+        return self.config.train.old_logprob == "recompute"
+
+    def prepare(self, model: Any, units: list[Transition]) -> dict[str, float]:
+        """Without grad, before the update: old log-probs (recompute mode) and the reference means."""
+        metrics: dict[str, float] = {}
+        eta = units[0].sample.request.plan.eta
+        if self.recompute:
+            mean, _, logp, _ = transition_stats(model, units, eta)
+            rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
+            delta = (logp - rollout).abs()
+            for u, lp, m in zip(units, logp, mean):
+                u.old_logprob = lp.detach()
+                u.old_mean = m.detach()
+            metrics["logprob/abs_delta_mean"] = float(delta.mean())
+            metrics["logprob/abs_delta_max"] = float(delta.max())
+        if self.uses_reference:
+            with model.reference():
+                ref_mean, _, _, _ = transition_stats(model, units, eta)
+            for u, m in zip(units, ref_mean):
+                u.ref_mean = m.detach()
+        return metrics
+
+    def surrogate(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, units: list[Transition],
+                  mean: torch.Tensor, std: torch.Tensor, batch: TransitionBatch) -> tuple[torch.Tensor, dict]:
+        """Per-transition policy loss (N,) and metrics. FlowGRPO: the clipped ratio."""
+        ratio = torch.exp(logp - old)
+        clip = self.options.clip_range
+        return clipped_surrogate(ratio, adv, clip), {
+            "clip_frac": float(((ratio - 1.0).abs() > clip).float().mean()),
+            "ratio/mean": float(ratio.detach().mean()),
+        }
+
+    def loss(self, model: Any, units: list[Transition], first_update: bool = False):
+        eta = units[0].sample.request.plan.eta
+        mean, std, logp, batch = transition_stats(model, units, eta)
+        rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
+        old = torch.stack([u.old_logprob for u in units]).to(logp.device) if self.recompute else rollout
+        adv = torch.tensor([u.sample.advantage for u in units], device=logp.device)
+        per_unit, metrics = self.surrogate(logp, old, adv, units, mean, std, batch)
+        policy_loss = per_unit.mean()
+        metrics["policy_loss"] = float(policy_loss.detach())
+        loss = policy_loss
+        if self.uses_reference:
+            # KL between the policy's and the reference's Gaussian transitions, closed form
+            ref_mean = torch.stack([u.ref_mean for u in units]).to(mean.device)
+            kl = gaussian_kl(mean, ref_mean, std).mean()
+            loss = loss + self.options.beta * kl
+            metrics["kl"] = float(kl.detach())
+        else:
+            metrics["kl"] = 0.0
+        if first_update and not self.recompute:
+            delta = (logp.detach() - rollout).abs()
+            metrics["logprob/abs_delta_mean"] = float(delta.mean())
+            metrics["logprob/abs_delta_max"] = float(delta.max())
+        return loss, metrics
