@@ -203,7 +203,8 @@ def parse_reward(text: str) -> dict[str, Any]:
     return {"name": text}
 
 
-def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed) -> list[dict]:
+def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed,
+                 executor=None, ray_address=None) -> list[dict]:
     from omnirl_core.config import load_recipe, parse_set
 
     layers = []
@@ -227,6 +228,10 @@ def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, st
         run["device"] = device
     if seed is not None:
         run["seed"] = seed
+    if executor:
+        run["executor"] = executor
+    if ray_address:
+        run["ray_address"] = ray_address
     if run:
         flags["run"] = run
     layers.append(flags)
@@ -286,6 +291,9 @@ def train(
     steps: Optional[int] = typer.Option(None, "--steps", help="Training steps."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Run seed."),
+    executor: Optional[str] = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor "
+                                              "ray); default: start a local Ray instance."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device."),
 ) -> None:
     """Train a model with an algorithm and rewards."""
@@ -293,7 +301,8 @@ def train(
     from omnirl_core.tracking import RunDir
 
     manager = _manager()
-    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed)
+    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
+                          executor, ray_address)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     cfg = resolved.config
     run_path = _run_dir(resolved, bool(output_dir))

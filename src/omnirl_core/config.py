@@ -70,6 +70,14 @@ class TrainSection(Section):
         "recompute",
         description="Old log-probs: recompute with the pre-update weights, or take the rollout's (bypass).",
     )
+    rs_band: tuple[float, float] | None = Field(
+        (0.5, 2.0),
+        description="Rollout correction: a sample whose sequence IS weight exp(delta) (trainer vs rollout "
+        "log-prob) falls outside [low, high] gets loss weight 0; None turns the mask off.",
+    )
+    rs_aggregate: Literal["mean", "sum"] = Field(
+        "mean", description="Sequence IS weight from the mean or the sum of the per-step log-prob deltas."
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the training engine.")
 
 
@@ -92,7 +100,32 @@ class RunSection(Section):
     seed: int = Field(0, description="Seed of prompts, noise and initialisation.")
     output_dir: str | None = Field(None, description="Run directory; None makes runs/<model>-<algo>-<time>.")
     device: str = Field("auto", description="Device plugin name, or 'auto' (the best available).")
-    executor: Literal["inline"] = Field("inline", description="Where worker groups run.")
+    executor: Literal["inline", "ray"] = Field(
+        "inline", description="Where worker groups run: 'inline' (this process, threads) or 'ray' (Ray actors)."
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts a local Ray instance."
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="Ray: actor and rollout in one worker (no weight copy), or in separate workers (weights "
+        "synced after each update).",
+    )
+    train_workers: int = Field(
+        1, ge=1, description="Ray: training ranks (a torch.distributed group; >1 needs placement 'split' and a "
+        "distributed train engine such as fsdp2)."
+    )
+    worker_cpus: float = Field(
+        1.0, gt=0, description="Ray: CPUs each actor/rollout worker reserves (fractions share a small machine)."
+    )
+    reward_mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: each finished sample is scored at once, overlapping the rest of the rollout; sync: "
+        "the whole batch is scored after the rollout.",
+    )
+    reward_workers: int = Field(
+        2, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray)."
+    )
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
     sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
     log_every: int = Field(1, ge=1, description="Progress update every N steps.")
