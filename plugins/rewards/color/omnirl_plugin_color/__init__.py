@@ -14,7 +14,7 @@ def omnirl_register_rewards(register):
             "(prompt-dependent; a tiny model learns it in minutes).",
             factory="omnirl_plugin_color.reward:ColorMatch",
             config="omnirl_plugin_color.reward:ColorOptions",
-            modality="image",
+            modality=("image", "video"),  # a video scores the mean colour of all its frames
             default_prompts="omnirl_plugin_color.reward:DEFAULT_PROMPTS",
         )
     )

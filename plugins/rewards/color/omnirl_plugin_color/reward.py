@@ -1,5 +1,6 @@
 """Colour match: reward = 1 - ||mean RGB of the image - RGB of the colour word in the prompt|| / sqrt(3).
 
+Images (3, H, W) and videos (3, F, H, W) alike: a video's mean is over all its frames.
 1 is a perfect match, 0 the opposite corner of the RGB cube. A prompt that names no known colour is an
 error (a reward must not silently score 0)."""
 
