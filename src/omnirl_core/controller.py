@@ -16,7 +16,7 @@ from typing import Any
 
 from omnirl_core.data import PromptSampler, load_prompts
 from omnirl_core.errors import ConfigError
-from omnirl_core.executors import EXECUTORS
+from omnirl_core.executors import make_executor
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
@@ -48,7 +48,7 @@ class Controller:
         self.run_dir = RunDir(run_dir)
         self.on_step = on_step
         self.algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), self.cfg)
-        self.executor = EXECUTORS[self.cfg.run.executor](resolved)
+        self.executor = make_executor(resolved)
         self.prompts = PromptSampler(self._prompts(), self.cfg.run.seed)
         self.start_step = 1
 
@@ -99,26 +99,27 @@ class Controller:
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
-        samples = self.executor.generate(self.requests(step))
+        # rollout and rewards: in async mode each finished sample is scored while the rollout goes on
+        samples, reward_metrics = self.executor.rollout(self.requests(step))
         samples.sort(key=lambda s: s.request.uid)  # the engine may finish them out of order
         t1 = time.perf_counter()
-        failed = self.executor.score(samples)
-        t2 = time.perf_counter()
         adv_metrics = self.algorithm.assign_advantages(samples)
         units = self.algorithm.training_units(samples)
         train_metrics = self.executor.update(self.algorithm, units, step)
+        t2 = time.perf_counter()
+        sync_metrics = self.executor.sync_weights()
         t3 = time.perf_counter()
         record: dict[str, Any] = {"step": step}
         record.update(summarise_rewards(samples, [e.name for e in cfg.rewards]))
-        record.update(failed)
+        record.update(reward_metrics)
         record.update(adv_metrics)
         record.update(train_metrics)
+        record.update(sync_metrics)
         record.update({
-            "time/rollout_s": t1 - t0,
-            "time/reward_s": t2 - t1,
-            "time/train_s": t3 - t2,
+            "time/train_s": t2 - t1,
+            "time/sync_s": t3 - t2,
             "time/step_s": t3 - t0,
-            "images_per_s": len(samples) / max(t1 - t0, 1e-9),
+            "images_per_s": len(samples) / max(reward_metrics.get("time/rollout_s", t1 - t0), 1e-9),
         })
         last = step == cfg.run.steps
         if step % cfg.run.sample_every == 0 or step == 1 or last:

@@ -1,13 +1,28 @@
-"""Executors place the worker groups. ``inline``: everything in the controller's process, one model shared
-by rollout and training (colocated: no weight copy)."""
+"""Executors place the worker groups; the controller drives any of them through the same methods.
+
+``inline``: one colocated worker (actor + rollout, one model: no weight copy) in the controller's
+process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``omnirl_core.ray_executor``,
+imported only when selected).
+
+The interface the controller uses:
+  setup(algorithm)                          build the workers
+  rollout(requests) -> (samples, metrics)   generate and score; async rewards overlap the rollout
+  update(algorithm, units, step) -> metrics one training step on the actor group
+  sync_weights() -> metrics                 actor -> rollout weights (nothing when colocated)
+  save(run_dir, step, extra) / load(path)   checkpoints
+  close()
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.rewards import RewardFn, RewardSet
+from omnirl_core.rewards import RewardFn, RewardSet, RewardStream
+from omnirl_core.worker import Worker
 
 
 def build_rewards(resolved: ResolvedRun) -> RewardSet:
@@ -18,52 +33,91 @@ def build_rewards(resolved: ResolvedRun) -> RewardSet:
     return RewardSet(fns)
 
 
+class WorkerCheckpoint:
+    """Lets ``checkpoint.save_checkpoint`` / ``load_checkpoint`` write through workers: the workers write
+    the weights and optimizer (every rank its shard, for a sharded engine); the caller keeps the atomic
+    directory handling and ``trainer_state.json``."""
+
+    def __init__(self, save: Any, load: Any):
+        self._save = save
+        self._load = load
+
+    def save_trained(self, directory: Path) -> list[str]:
+        return self._save(directory)
+
+    def load_trained(self, directory: Path) -> None:
+        self._load(directory)
+
+
 class InlineExecutor:
     name = "inline"
 
     def __init__(self, resolved: ResolvedRun):
         self.resolved = resolved
-        self.model: Any = None
-        self.rollout: Any = None
-        self.trainer: Any = None
+        self.worker: Worker | None = None
         self.rewards: RewardSet | None = None
+        self.stream: RewardStream | None = None
+
+    # the colocated worker's parts, for callers that inspect them
+    @property
+    def model(self) -> Any:
+        return self.worker.model if self.worker else None
+
+    @property
+    def trainer(self) -> Any:
+        return self.worker.trainer if self.worker else None
 
     def setup(self, algorithm: Any) -> None:
-        import torch
+        run = self.resolved.config.run
+        self.worker = Worker(self.resolved, {"actor", "rollout"}, algorithm=algorithm)
+        self.worker.setup()
+        self.rewards = build_rewards(self.resolved)
+        self.stream = RewardStream(self.rewards, run.reward_workers, run.reward_mode)
 
-        r = self.resolved
-        cfg = r.config
-        torch.manual_seed(cfg.run.seed)
-        device = torch.device(r.device.torch_device if r.device else "cpu")
-        self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
-        need_ref = r.algorithm.needs_reference and getattr(algorithm, "uses_reference", True)
-        self.model.setup_training(cfg.model.lora, need_reference=need_ref)
-        self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
-        self.trainer = r.train_engine.load_factory()(self.model, cfg.train, r.options.get("train.options"), device)
-        self.rewards = build_rewards(r)
+    def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
+        assert self.worker is not None and self.stream is not None
+        samples, failed, timing = self.stream.run(self.worker.generate(requests))
+        return samples, {**failed, **timing.metrics()}
 
     def generate(self, requests: list[GenRequest]) -> list[Sample]:
-        return list(self.rollout.generate(requests))
+        assert self.worker is not None
+        return list(self.worker.generate(requests))
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         assert self.rewards is not None
         return self.rewards.score(samples)
 
     def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
-        return self.trainer.update(algorithm, units, step)
+        assert self.worker is not None
+        return self.worker.update(units, step, algorithm)
 
-    def save(self, run_dir, step: int, extra: dict[str, Any]):
+    def sync_weights(self) -> dict[str, float]:
+        return {}  # one model serves rollout and training
+
+    def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
         from omnirl_core.checkpoint import save_checkpoint
 
+        assert self.worker is not None
+        if hasattr(self.trainer, "save_shards"):
+            return save_checkpoint(run_dir, step, WorkerCheckpoint(self.worker.save_state, self.worker.load_state),
+                                   None, extra)
         return save_checkpoint(run_dir, step, self.model, self.trainer.optimizer, extra)
 
-    def load(self, path) -> dict[str, Any]:
+    def load(self, path: Path) -> dict[str, Any]:
         from omnirl_core.checkpoint import load_checkpoint
 
+        assert self.worker is not None
+        if hasattr(self.trainer, "load_shards"):
+            return load_checkpoint(path, WorkerCheckpoint(self.worker.save_state, self.worker.load_state), None)
         return load_checkpoint(path, self.model, self.trainer.optimizer)
 
     def close(self) -> None:
-        pass
+        if self.stream is not None:
+            self.stream.close()
 
 
-EXECUTORS = {"inline": InlineExecutor}
+EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.ray_executor:RayExecutor"}
+
+
+def make_executor(resolved: ResolvedRun) -> Any:
+    return load_object(EXECUTORS[resolved.config.run.executor])(resolved)

@@ -95,21 +95,30 @@ class DenoiserModel:
         else:
             self.denoiser.load_state_dict(state)
 
-    def save_trained(self, directory: Path) -> list[str]:
+    def save_trained(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
         """Write the trained weights in the layout diffusers reads back; returns the files written.
 
         LoRA: ``pytorch_lora_weights.safetensors`` for ``pipeline.load_lora_weights(directory)``.
         Full: ``<denoiser>/`` via ``save_pretrained`` (safetensors), for ``from_pretrained``.
+        ``state``: the full trained state to write instead of the module's own (a sharded trainer gathers
+        it first, as ``trained_state_dict`` would return it).
         """
         directory.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
             from peft.utils import get_peft_model_state_dict
 
-            layers = get_peft_model_state_dict(self.denoiser)
+            layers = state if state is not None else get_peft_model_state_dict(self.denoiser)
             type(self.pipeline).save_lora_weights(
                 save_directory=str(directory), transformer_lora_layers=layers, safe_serialization=True
             )
             return ["pytorch_lora_weights.safetensors"]
+        if state is not None:
+            from safetensors.torch import save_file
+
+            (directory / "transformer").mkdir(exist_ok=True)
+            self.denoiser.save_config(str(directory / "transformer"))
+            save_file(state, str(directory / "transformer" / "diffusion_pytorch_model.safetensors"))
+            return ["transformer/"]
         self.denoiser.save_pretrained(str(directory / "transformer"), safe_serialization=True)
         return ["transformer/"]
 

@@ -14,6 +14,13 @@ import torch
 
 from omnirl_core.advantage import group_advantages
 from omnirl_core.config import RunConfig
+from omnirl_core.correction import (
+    record_deltas,
+    rs_mask,
+    sequence_diagnostics,
+    sequence_log_weights,
+    step_diagnostics,
+)
 from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
 from omnirl_core.sampler import gaussian_kl, step_mean, transition_logprob
 
@@ -118,13 +125,11 @@ class FlowPolicyGradient:
         eta = units[0].sample.request.plan.eta
         if self.recompute:
             mean, _, logp, _ = transition_stats(model, units, eta)
-            rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
-            delta = (logp - rollout).abs()
             for u, lp, m in zip(units, logp, mean):
                 u.old_logprob = lp.detach()
                 u.old_mean = m.detach()
-            metrics["logprob/abs_delta_mean"] = float(delta.mean())
-            metrics["logprob/abs_delta_max"] = float(delta.max())
+            # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
+            metrics.update(step_diagnostics(record_deltas(units, logp)))
         if self.uses_reference:
             with model.reference():
                 ref_mean, _, _, _ = transition_stats(model, units, eta)
@@ -148,9 +153,15 @@ class FlowPolicyGradient:
         rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
         old = torch.stack([u.old_logprob for u in units]).to(logp.device) if self.recompute else rollout
         adv = torch.tensor([u.sample.advantage for u in units], device=logp.device)
+        if not self.recompute:
+            delta = record_deltas(units, logp, overwrite=False)
+        # RS mask: a sample whose sequence IS weight leaves the band is rejected whole (weight 0)
+        log_w = sequence_log_weights(units, self.config.train.rs_aggregate)
+        keep = rs_mask(log_w, self.config.train.rs_band).to(logp.device)
         per_unit, metrics = self.surrogate(logp, old, adv, units, mean, std, batch)
-        policy_loss = per_unit.mean()
+        policy_loss = (per_unit * keep).mean()
         metrics["policy_loss"] = float(policy_loss.detach())
+        metrics.update(sequence_diagnostics(units, log_w, keep.cpu()))
         loss = policy_loss
         if self.uses_reference:
             # KL between the policy's and the reference's Gaussian transitions, closed form
@@ -161,7 +172,5 @@ class FlowPolicyGradient:
         else:
             metrics["kl"] = 0.0
         if first_update and not self.recompute:
-            delta = (logp.detach() - rollout).abs()
-            metrics["logprob/abs_delta_mean"] = float(delta.mean())
-            metrics["logprob/abs_delta_max"] = float(delta.max())
+            metrics.update(step_diagnostics(delta))
         return loss, metrics

@@ -1,0 +1,33 @@
+"""Weight sync actor -> rollout after each update.
+
+What moves: only the LoRA weights when a LoRA adapter is trained (the frozen base is already on both
+sides), the full denoiser state otherwise, and nothing when actor and rollout share one model
+(colocated). A sharded train engine gathers full tensors first (``full_trained_state``; every rank
+takes part, rank 0 sends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def sync_mode(colocated: bool, lora: bool) -> str:
+    """'none' (one model serves both), 'lora' (adapter weights only) or 'full' (every denoiser weight)."""
+    if colocated:
+        return "none"
+    return "lora" if lora else "full"
+
+
+def export_trained_state(model: Any, trainer: Any = None) -> dict[str, Any]:
+    """The trained weights as plain CPU tensors: LoRA only (peft names) when training LoRA, else full."""
+    if trainer is not None and hasattr(trainer, "full_trained_state"):
+        return trainer.full_trained_state()
+    return model.trained_state_dict()
+
+
+def import_trained_state(model: Any, state: dict[str, Any]) -> None:
+    model.load_trained_state_dict(state)
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())

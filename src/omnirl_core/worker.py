@@ -1,0 +1,137 @@
+"""A worker: one process's share of a run. Roles: ``actor`` (model + train engine), ``rollout`` (model +
+rollout engine). ``actor`` and ``rollout`` together are colocated: one model, no weight copy.
+
+The inline executor runs one worker in the controller's process; the Ray executor runs the same class
+inside Ray actors, so both executors compute the very same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omnirl_core.errors import UsageError
+from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.resolve import ResolvedRun
+from omnirl_core.weight_sync import export_trained_state, import_trained_state
+
+ROLES = frozenset({"actor", "rollout"})
+OPTIMIZER_META = "optimizer.json"
+
+
+def build_algorithm(resolved: ResolvedRun) -> Any:
+    return resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), resolved.config)
+
+
+def torch_device(resolved: ResolvedRun) -> Any:
+    """The worker's torch device. Executors restrict each worker to its own accelerators through the
+    device's visible-devices variable, so index 0 is this worker's one. A device whose torch support is
+    an extension (Ascend's torch-npu) registers it in its probe, called here in every worker."""
+    import torch
+
+    spec = resolved.device
+    if spec is None or spec.torch_device == "cpu":
+        return torch.device("cpu")
+    if spec.available() <= 0:
+        raise UsageError(f"Device '{spec.name}' is not available in this worker process.",
+                         hint=f"Check {spec.visible_devices_env or 'the device setup'} and the Ray resources.")
+    return torch.device(spec.torch_device)
+
+
+class Worker:
+    def __init__(self, resolved: ResolvedRun, roles: frozenset[str] | set[str], algorithm: Any = None,
+                 rank: int = 0, world_size: int = 1):
+        unknown = set(roles) - ROLES
+        if unknown or not roles:
+            raise ValueError(f"worker roles must be a non-empty subset of {sorted(ROLES)}, got {sorted(roles)}")
+        self.resolved = resolved
+        self.roles = frozenset(roles)
+        self.algorithm = algorithm
+        self.rank = rank
+        self.world_size = world_size
+        self.model: Any = None
+        self.rollout: Any = None
+        self.trainer: Any = None
+
+    def setup(self) -> None:
+        import torch
+
+        r = self.resolved
+        cfg = r.config
+        torch.manual_seed(cfg.run.seed)
+        device = torch_device(r)
+        self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
+        if "actor" in self.roles:
+            if self.algorithm is None:
+                self.algorithm = build_algorithm(r)
+            need_ref = r.algorithm.needs_reference and getattr(self.algorithm, "uses_reference", True)
+            self.model.setup_training(cfg.model.lora, need_reference=need_ref)
+            self.trainer = r.train_engine.load_factory()(self.model, cfg.train, r.options.get("train.options"),
+                                                         device)
+        else:
+            # a rollout-only worker carries the same adapter layout so that synced LoRA weights load
+            self.model.setup_training(cfg.model.lora, need_reference=False)
+        if "rollout" in self.roles:
+            self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
+
+    # -- rollout -------------------------------------------------------------------------------
+    def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
+        yield from self.rollout.generate(requests)
+
+    # -- training ------------------------------------------------------------------------------
+    def update(self, units: list[Any], step: int, algorithm: Any = None) -> dict[str, float]:
+        return self.trainer.update(algorithm or self.algorithm, units, step)
+
+    # -- weight sync ---------------------------------------------------------------------------
+    def trained_state(self) -> dict[str, Any] | None:
+        """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0."""
+        state = export_trained_state(self.model, self.trainer)
+        return state if self.rank == 0 else None
+
+    def load_trained_state(self, state: dict[str, Any]) -> None:
+        import_trained_state(self.model, state)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_state(self, directory: str | Path) -> list[str]:
+        """Write this worker's part of a checkpoint into ``directory``: the trained weights in the layout
+        diffusers reads (rank 0), the optimizer (rank 0, or every rank's shard for a sharded engine)."""
+        from safetensors.torch import save_file
+
+        from omnirl_core.checkpoint import optimizer_to_tensors
+
+        directory = Path(directory)
+        if hasattr(self.trainer, "save_shards"):
+            files = self.trainer.save_shards(directory)
+            full = export_trained_state(self.model, self.trainer)
+            if self.rank == 0:
+                files += self.model.save_trained(directory, state=full)
+            return files
+        if self.rank != 0:
+            return []
+        files = self.model.save_trained(directory)
+        tensors, meta = optimizer_to_tensors(self.trainer.optimizer)
+        save_file(tensors, str(directory / "optimizer.safetensors"))
+        (directory / OPTIMIZER_META).write_text(json.dumps(meta))
+        return [*files, "optimizer.safetensors", OPTIMIZER_META]
+
+    def load_state(self, directory: str | Path) -> None:
+        """Load what ``save_state`` (or the inline executor's ``save_checkpoint``) wrote."""
+        from safetensors.torch import load_file
+
+        from omnirl_core.checkpoint import optimizer_from_tensors
+
+        directory = Path(directory)
+        if hasattr(self.trainer, "load_shards"):
+            self.trainer.load_shards(directory)
+            return
+        self.model.load_trained(directory)
+        if self.trainer is None or not (directory / "optimizer.safetensors").is_file():
+            return
+        meta_file = directory / OPTIMIZER_META
+        if meta_file.is_file():
+            meta = json.loads(meta_file.read_text())
+        else:  # written by the inline executor: the optimizer metadata sits in trainer_state.json
+            meta = json.loads((directory / "trainer_state.json").read_text())["optimizer"]
+        optimizer_from_tensors(self.trainer.optimizer, load_file(str(directory / "optimizer.safetensors")), meta)
