@@ -9,6 +9,7 @@ validated against the plugin's own pydantic class.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -141,6 +142,9 @@ class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection)
 
 
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 # -- layering -------------------------------------------------------------------------------------
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +182,8 @@ def parse_set(items: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads '3e-4' (no dot) as a string
         set_path(out, key.strip(), value)
     return out
 

@@ -1,0 +1,17 @@
+import torch
+
+from omnirl_plugin_jpeg.reward import JpegCompressibility, JpegOptions
+
+
+def test_flat_images_compress_better_than_noise():
+    flat = torch.full((3, 64, 64), 0.5)
+    noise = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0))
+    flat_score, noise_score = JpegCompressibility()([flat, noise], ["a", "b"])
+    assert flat_score < 0 and noise_score < flat_score - 2.0  # kB: noise is several times larger
+
+
+def test_quality_changes_the_size():
+    noise = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0))
+    low = JpegCompressibility(JpegOptions(quality=10))([noise], ["a"])[0]
+    high = JpegCompressibility(JpegOptions(quality=95))([noise], ["a"])[0]
+    assert low > high

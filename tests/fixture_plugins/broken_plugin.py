@@ -1,0 +1,3 @@
+"""A plugin that fails at import (for the discovery tests)."""
+
+raise RuntimeError("this plugin is broken on purpose")

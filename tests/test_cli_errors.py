@@ -1,0 +1,104 @@
+"""Bad input: a clear message, the right exit code, and no traceback (without --debug)."""
+
+from pathlib import Path
+
+from .conftest import run_cli
+
+FIXTURES = str(Path(__file__).parent / "fixture_plugins")
+BASE = ["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny"]
+
+
+def _no_traceback(proc):
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_unknown_model_suggests_the_close_name():
+    proc = run_cli("train", "--model", "qwen-imgae", "--algo", "flowgrpo", "--dry-run")
+    assert proc.returncode == 3
+    assert "Unknown model 'qwen-imgae'. Did you mean 'qwen-image'?" in proc.stderr
+    assert "pip install omnirl-plugin-" in proc.stderr
+    _no_traceback(proc)
+
+
+def test_unknown_algorithm_suggests_the_close_name():
+    proc = run_cli("train", "--model", "qwen-image", "--algo", "flowgrop", "--dry-run")
+    assert proc.returncode == 3 and "Did you mean 'flowgrpo'?" in proc.stderr
+    _no_traceback(proc)
+
+
+def test_unknown_config_key_is_a_usage_error_with_did_you_mean():
+    proc = run_cli(*BASE, "--set", "train.learning_rate=1e-3", "--dry-run")
+    assert proc.returncode == 2
+    assert "train.learning_rate: unknown key" in proc.stderr
+    _no_traceback(proc)
+    proc = run_cli(*BASE, "--set", "algorithm.options.clip_rnage=1e-3", "--dry-run")
+    assert proc.returncode == 2 and "Did you mean 'clip_range'?" in proc.stderr
+
+
+def test_invalid_value_negative_steps():
+    proc = run_cli(*BASE, "--steps", "-5", "--dry-run")
+    assert proc.returncode == 2
+    assert "run.steps" in proc.stderr and "greater than or equal to 1" in proc.stderr
+    _no_traceback(proc)
+
+
+def test_capability_mismatch_names_what_is_missing_and_who_has_it():
+    proc = run_cli("train", "--model", "ode-only", "--algo", "flowgrpo", "--dry-run",
+                   env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "toy_plugin"})
+    assert proc.returncode == 3
+    assert "cannot train model 'ode-only': the model lacks sde-logprob" in proc.stderr
+    assert "qwen-image" in proc.stderr  # a model that has it
+    _no_traceback(proc)
+
+
+def test_ambiguous_reward_name_asks_for_the_qualified_one():
+    proc = run_cli(*BASE, "--reward", "jpeg", "--dry-run", env={"PYTHONPATH": FIXTURES,
+                                                                 "OMNIRL_PLUGINS": "toy_plugin"})
+    assert proc.returncode == 3 and "ambiguous" in proc.stderr and "jpeg:jpeg" in proc.stderr
+    ok = run_cli(*BASE, "--reward", "jpeg:jpeg:2.0", "--dry-run", env={"PYTHONPATH": FIXTURES,
+                                                                        "OMNIRL_PLUGINS": "toy_plugin"})
+    assert ok.returncode == 0, ok.stderr
+    assert "jpeg:jpeg x2.0" in ok.stdout
+
+
+def test_missing_recipe_and_bad_preset():
+    proc = run_cli(*BASE, "--recipe", "/nonexistent.yaml", "--dry-run")
+    assert proc.returncode == 2 and "Recipe '/nonexistent.yaml' not found" in proc.stderr
+    proc = run_cli("train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "huge", "--dry-run")
+    assert proc.returncode == 2 and "no preset 'huge'" in proc.stderr
+
+
+def test_output_dir_holding_a_different_run(tmp_path: Path):
+    out = tmp_path / "run"
+    first = run_cli(*BASE, "--steps", "1", "--output-dir", str(out))
+    assert first.returncode == 0, first.stderr
+    proc = run_cli(*BASE, "--steps", "1", "--output-dir", str(out), "--set", "train.lr=0.5")
+    assert proc.returncode == 2
+    assert "holds a different run" in proc.stderr and "train.lr" in proc.stderr
+    _no_traceback(proc)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    proc = run_cli(*BASE, "--steps", "1", "--output-dir", str(foreign), "--dry-run")
+    assert proc.returncode == 2 and "holds no omnirl run" in proc.stderr
+
+
+def test_unreachable_model_path_is_a_clear_error(tmp_path: Path):
+    proc = run_cli("train", "--model", "qwen-image", "--algo", "flowgrpo", "--steps", "1",
+                   "--set", f"model.path={tmp_path / 'missing'}", "--output-dir", str(tmp_path / "r"),
+                   "--set", "rollout.height=32", "--set", "rollout.width=32")
+    assert proc.returncode == 2
+    assert "not a diffusers Qwen-Image directory" in proc.stderr
+    _no_traceback(proc)
+
+
+def test_debug_shows_the_traceback():
+    proc = run_cli("--debug", "train", "--model", "qwen-imgae", "--algo", "flowgrpo", "--dry-run")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_dry_run_prints_the_plan_without_a_device():
+    proc = run_cli(*BASE, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "samples_per_step: 32" in proc.stdout and "algorithm: qwen-image" not in proc.stdout
+    assert "flowgrpo" in proc.stdout

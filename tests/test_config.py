@@ -1,0 +1,53 @@
+"""Config layering, --set parsing, unknown keys with did-you-mean, secrets redacted."""
+
+import pytest
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+from omnirl_core.config import build_config, deep_merge, parse_set, validate_options
+from omnirl_core.errors import ConfigError
+
+
+def test_set_parses_yaml_scalars_and_nested_paths():
+    out = parse_set(["train.lr=3e-4", "run.steps=7", "model.lora.enabled=false", "rewards.0.name=jpeg",
+                     "model.lora.target_modules=[to_q,to_k]"])
+    assert out["train"]["lr"] == 3e-4 and out["run"]["steps"] == 7
+    assert out["model"]["lora"]["enabled"] is False
+    assert out["rewards"] == [{"name": "jpeg"}]
+    assert out["model"]["lora"]["target_modules"] == ["to_q", "to_k"]
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_set(["train.lr"])
+
+
+def test_unknown_keys_and_bad_values_are_reported_together_with_paths():
+    with pytest.raises(ConfigError) as err:
+        build_config({"trian": {"lr": 1}, "run": {"steps": -3, "sead": 1}, "rollout": {"group_size": 0}})
+    text = err.value.render()
+    assert "trian: unknown key. Did you mean 'train'?" in text
+    assert "run.sead: unknown key. Did you mean 'seed'?" in text
+    assert "run.steps" in text and "greater than or equal to 1" in text
+    assert "rollout.group_size" in text
+    assert "3 problem" in text or "4 problem" in text
+
+
+def test_layers_merge_dicts_and_replace_lists():
+    base = {"rollout": {"height": 512, "width": 512}, "rewards": [{"name": "jpeg"}]}
+    merged = deep_merge(base, {"rollout": {"height": 32}, "rewards": [{"name": "color"}]})
+    assert merged == {"rollout": {"height": 32, "width": 512}, "rewards": [{"name": "color"}]}
+    assert base["rollout"]["height"] == 512
+
+
+class _Opts(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_key: SecretStr = SecretStr("")
+    temperature: float = 1.0
+
+
+def test_plugin_options_validate_with_did_you_mean_and_redact_secrets():
+    with pytest.raises(ConfigError) as err:
+        validate_options({"temprature": 0.5}, _Opts, "rewards.0.options")
+    assert "rewards.0.options.temprature: unknown key. Did you mean 'temperature'?" in err.value.render()
+    opts = validate_options({"api_key": "sk-secret"}, _Opts, "rewards.0.options")
+    dumped = opts.model_dump(mode="json")
+    assert "sk-secret" not in str(dumped) and dumped["api_key"] == "**********"
+    with pytest.raises(ConfigError, match="takes no options"):
+        validate_options({"x": 1}, None, "train.options")

@@ -1,0 +1,157 @@
+"""Discovery, registries, broken plugins, duplicate names, and a third-party plugin installed for real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from omnirl_core import hookimpl
+from omnirl_core.errors import PluginError
+from omnirl_core.plugins import PluginManager
+from omnirl_core.registry import ModelSpec, RewardSpec
+
+from .conftest import REPO, run_cli
+
+FIXTURES = str(Path(__file__).parent / "fixture_plugins")
+
+
+class _RewardPlugin:
+    @hookimpl
+    def omnirl_register_rewards(self, register):
+        register(RewardSpec(name="aesthetic", factory="builtins:object"))
+
+
+def test_registration_and_resolution(manager: PluginManager):
+    manager.register(_RewardPlugin(), "aesthetic-plugin")
+    spec = manager.resolve("reward", "aesthetic")
+    assert spec.plugin == "aesthetic-plugin" and spec.qualified_name == "aesthetic-plugin:aesthetic"
+    with pytest.raises(PluginError, match="Did you mean 'aesthetic'"):
+        manager.resolve("reward", "aestetic")
+
+
+def test_duplicate_names_need_the_qualified_name(manager: PluginManager):
+    manager.register(_RewardPlugin(), "one")
+    manager.register(_RewardPlugin(), "two")
+    with pytest.raises(PluginError, match="ambiguous") as err:
+        manager.resolve("reward", "aesthetic")
+    assert "one:aesthetic" in err.value.render()
+    assert manager.resolve("reward", "two:aesthetic").plugin == "two"
+
+
+def test_wrong_spec_kind_marks_the_plugin_broken(manager: PluginManager):
+    class Bad:
+        @hookimpl
+        def omnirl_register_rewards(self, register):
+            register(ModelSpec(name="x", factory="builtins:object"))
+
+    info = manager.register(Bad(), "bad")
+    assert manager.plugins["bad"].status == "broken"
+    assert "ModelSpec" in manager.plugins["bad"].error
+    assert len(manager.registries["reward"]) == 0 and info.components == []
+
+
+def _listing(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return run_cli(*args, env={"PYTHONPATH": FIXTURES, **env})
+
+
+def test_broken_plugin_is_listed_and_does_not_take_the_cli_down():
+    proc = _listing("plugins", "list", "--format", "json", OMNIRL_PLUGINS="broken_plugin,misspelt_plugin")
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["name"]: row for row in json.loads(proc.stdout)}
+    assert rows["broken_plugin"]["status"] == "broken"
+    assert "broken on purpose" in rows["broken_plugin"]["error"]
+    assert rows["misspelt_plugin"]["status"] == "broken"
+    assert "omnirl_register_rewardz" in rows["misspelt_plugin"]["error"]
+    assert rows["qwen-image"]["status"] == "ok"  # the installed first-party plugins still load
+    # and the other listings keep working
+    models = _listing("models", "--format", "json", OMNIRL_PLUGINS="broken_plugin")
+    assert models.returncode == 0 and "qwen-image" in {m["name"] for m in json.loads(models.stdout)}
+
+
+def test_strict_mode_makes_a_broken_plugin_fatal():
+    proc = _listing("plugins", "list", OMNIRL_PLUGINS="broken_plugin", OMNIRL_STRICT_PLUGINS="1")
+    assert proc.returncode == 3
+    assert "broken on purpose" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_disabled_plugins_are_skipped():
+    proc = _listing("plugins", "list", "--format", "json", OMNIRL_DISABLE_PLUGINS="jpeg")
+    rows = {row["name"]: row for row in json.loads(proc.stdout)}
+    assert rows["jpeg"]["status"] == "disabled"
+    rewards = {r["name"] for r in json.loads(_listing("rewards", "--format", "json",
+                                                       OMNIRL_DISABLE_PLUGINS="jpeg").stdout)}
+    assert "jpeg" not in rewards
+
+
+def test_cli_import_does_not_import_torch():
+    code = ("import sys; sys.argv=['omnirl','--help']\nfrom omnirl_cli.main import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "sys.argv=['omnirl','plugins','list']\ntry:\n    run()\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "TORCH False" in out.stdout, out.stdout[-500:] + out.stderr[-500:]
+
+
+THIRD_PARTY = {
+    "pyproject.toml": """
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "omnirl-plugin-brightness"
+        version = "0.3.1"
+        dependencies = []
+
+        [project.entry-points."omnirl.plugins"]
+        brightness = "omnirl_plugin_brightness"
+
+        [tool.setuptools]
+        packages = ["omnirl_plugin_brightness"]
+    """,
+    "omnirl_plugin_brightness/__init__.py": """
+        from omnirl_core import hookimpl
+        from omnirl_core.registry import RewardSpec
+
+
+        def brightness(options=None):
+            return lambda images, prompts: [float(im.mean()) for im in images]
+
+
+        @hookimpl
+        def omnirl_register_rewards(register):
+            register(RewardSpec(name="brightness", factory="omnirl_plugin_brightness:brightness",
+                                description="mean pixel value"))
+    """,
+}
+
+
+def test_third_party_plugin_package_is_installed_and_discovered(tmp_path: Path):
+    src = tmp_path / "omnirl-plugin-brightness"
+    for rel, text in THIRD_PARTY.items():
+        path = src / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    target = tmp_path / "site"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+         "--target", str(target), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert pip.returncode == 0, pip.stderr
+    proc = run_cli("rewards", "--format", "json", env={"PYTHONPATH": str(target)})
+    assert proc.returncode == 0, proc.stderr
+    rewards = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rewards["brightness"]["plugin"] == "brightness"
+    assert rewards["brightness"]["version"] == "0.3.1"
+    plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "list", "--format", "json",
+                                                        env={"PYTHONPATH": str(target)}).stdout)}
+    assert plugins["brightness"]["distribution"] == "omnirl-plugin-brightness"
+    # without it on the path it is gone
+    assert "brightness" not in run_cli("rewards", "--format", "json").stdout
+    assert (REPO / "CONTRIBUTING.md").is_file()
