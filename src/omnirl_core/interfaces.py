@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class RolloutPlan:
     """How one sample is rolled out: a sampler kind per denoising step and the steps that are trained.
 
-    ``step_kinds[i]`` is 'ode', 'sde', 'cps' or 'dance'. Steps in ``train_steps`` must be stochastic.
+    ``step_kinds[i]`` is 'ode', 'sde', 'cps', 'dance' or 'dpm2' (second-order multistep ODE). Steps in
+    ``train_steps`` must be stochastic.
     """
 
     step_kinds: tuple[str, ...]
@@ -24,17 +25,34 @@ class RolloutPlan:
     eta: float = 0.0
     shared_initial_noise: bool = False
     """All samples of a group start from the same initial noise (DanceGRPO)."""
+    sigma_indices: tuple[int, ...] | None = None
+    """A subset of a finer schedule (MixGRPO-Flash: fewer, second-order steps after the SDE window): the
+    model's schedule is computed for ``schedule_steps`` steps and the plan's ``num_steps + 1`` sigmas are
+    the ones at these indices (0 first, ``schedule_steps`` last). None: the schedule of ``num_steps``."""
 
     def __post_init__(self) -> None:
         for i in self.train_steps:
             if not 0 <= i < len(self.step_kinds):
                 raise ValueError(f"train step {i} outside 0..{len(self.step_kinds) - 1}")
-            if self.step_kinds[i] == "ode":
+            if self.step_kinds[i] in ("ode", "dpm2"):
                 raise ValueError(f"train step {i} is an ODE step: it has no log-prob")
+        idx = self.sigma_indices
+        if idx is not None:
+            if len(idx) != len(self.step_kinds) + 1 or idx[0] != 0 or any(b <= a for a, b in zip(idx, idx[1:])):
+                raise ValueError(f"sigma_indices {idx} must rise from 0 and hold num_steps + 1 entries")
 
     @property
     def num_steps(self) -> int:
         return len(self.step_kinds)
+
+    @property
+    def schedule_steps(self) -> int:
+        """How many steps the model's sigma schedule is computed for (``sigmas_from`` then subsets it)."""
+        return self.num_steps if self.sigma_indices is None else self.sigma_indices[-1]
+
+    def sigmas_from(self, schedule: torch.Tensor) -> torch.Tensor:
+        """The plan's sigmas out of the model's schedule for ``schedule_steps`` steps."""
+        return schedule if self.sigma_indices is None else schedule[list(self.sigma_indices)]
 
 
 @dataclass
@@ -151,6 +169,17 @@ class FlowModel(Protocol):
 
     def reference(self) -> AbstractContextManager[None]:
         """Within this context ``velocity`` is the frozen reference policy (LoRA disabled / base copy)."""
+
+
+@runtime_checkable
+class EncodesImages(Protocol):
+    """Optional model capability: images to latents (offline preference data, e.g. Diffusion-DPO).
+
+    ``images`` are (B, 3, H, W) in [0, 1] at a size the model generates; the latents have the per-sample
+    shape of ``latent_shape(H, W)`` and lie on the flow path's data end (x0), fp32. Deterministic (the
+    encoder's mean), so the same image always gives the same latent."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable

@@ -92,6 +92,10 @@ class FlowPolicyGradient:
     """FlowGRPO's structure. Subclasses read these option names from their own config class:
     ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
 
+    needs_old_mean = False
+    """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``
+    then computes them in bypass mode too."""
+
     def __init__(self, options: Any, config: RunConfig):
         self.options = options
         self.config = config
@@ -123,13 +127,15 @@ class FlowPolicyGradient:
         """Without grad, before the update: old log-probs (recompute mode) and the reference means."""
         metrics: dict[str, float] = {}
         eta = units[0].sample.request.plan.eta
-        if self.recompute:
+        if self.recompute or self.needs_old_mean:
             mean, _, logp, _ = transition_stats(model, units, eta)
             for u, lp, m in zip(units, logp, mean):
-                u.old_logprob = lp.detach()
                 u.old_mean = m.detach()
-            # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
-            metrics.update(step_diagnostics(record_deltas(units, logp)))
+                if self.recompute:
+                    u.old_logprob = lp.detach()
+            if self.recompute:
+                # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
+                metrics.update(step_diagnostics(record_deltas(units, logp)))
         if self.uses_reference:
             with model.reference():
                 ref_mean, _, _, _ = transition_stats(model, units, eta)

@@ -7,6 +7,10 @@ Every stochastic step is written as a Gaussian transition x' = mu + std * z. ``s
 (mu, std) from (x, v, s, s'); rollout draws z and records log p(x' | x); training re-evaluates the stored
 x' under new weights with the same ``step_mean`` + ``transition_logprob``, so both sides compute the very
 same numbers when the weights have not changed.
+
+Deterministic solvers: ``ode`` (Euler) and ``dpm2`` (DPM-Solver++(2M), second order, multistep: it also
+uses the previous step's data prediction, passed as ``history``). The forward process used by the
+algorithms that train without log-probs (Diffusion-DPO, DiffusionNFT) is at the end of the module.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-SAMPLERS = ("ode", "sde", "cps", "dance")
+SAMPLERS = ("ode", "sde", "cps", "dance", "dpm2")
+DETERMINISTIC = frozenset({"ode", "dpm2"})
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -35,6 +40,7 @@ class StepOut:
     mean: torch.Tensor
     std: torch.Tensor  # (B,) per-sample std (0 for ODE)
     logprob: torch.Tensor | None  # (B,) or None for the ODE
+    x0: torch.Tensor | None = None  # data prediction x - s v: the history a multistep solver needs next
 
 
 def step_mean(
@@ -56,8 +62,9 @@ def step_mean(
     s_next = s_next.float()
     sb, snb = _bcast(s, x), _bcast(s_next, x)
     dt = snb - sb
-    if kind == "ode":
-        # Euler: x' = x + v dt
+    if kind in DETERMINISTIC:
+        # Euler: x' = x + v dt (also DPM-Solver++'s first-order step in flow notation; ``dpm2`` with its
+        # history is ``dpm_solver_2m_step``)
         return x + v * dt, torch.zeros_like(s)
     if kind == "sde":
         # Flow-SDE (FlowGRPO): a_s = eta sqrt(s / (1 - s)); second sigma in the denominator at s = 1
@@ -103,6 +110,47 @@ def gaussian_kl(mean_a: torch.Tensor, mean_b: torch.Tensor, std: torch.Tensor) -
     return mean_over_dims((mean_a - mean_b) ** 2 / (2 * _bcast(std, mean_a) ** 2))
 
 
+def _lambda(s: torch.Tensor) -> torch.Tensor:
+    """Half log-SNR of the flow path: log(alpha / sigma) with alpha = 1 - s, sigma = s."""
+    return torch.log(1.0 - s) - torch.log(s)
+
+
+def dpm_solver_2m_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    s: torch.Tensor,
+    s_next: torch.Tensor,
+    prev_x0: torch.Tensor | None,
+    prev_s: torch.Tensor | None,
+) -> torch.Tensor:
+    """DPM-Solver++(2M), midpoint form, in flow-matching notation (alpha = 1 - s, sigma = s).
+
+    With m0 = x - s v (the data prediction now) and m1 the previous step's, lambda = log(alpha / sigma):
+      h = lambda' - lambda, r = (lambda - lambda_prev) / h, D = m0 + (m0 - m1) / (2 r)
+      x' = (s' / s) x - alpha' (exp(-h) - 1) D
+    First order (= Euler) per sample where there is no usable history (first step, previous sigma 1) and on
+    the step to sigma 0 (lambda' infinite: x' = m0 exactly, as both orders agree there).
+    """
+    x, v, s, s_next = x.float(), v.float(), s.float(), s_next.float()
+    m0 = x - _bcast(s, x) * v
+    euler = x + v * _bcast(s_next - s, x)
+    if prev_x0 is None or prev_s is None:
+        return euler
+    prev_s = prev_s.float()
+    second = (prev_s < 1.0) & (prev_s > s) & (s_next > 0.0)
+    if not bool(second.any()):
+        return euler
+    # evaluate the second-order branch only on safe values; the mask picks it where it is defined
+    safe_prev = torch.where(second, prev_s, (s + 1.0) / 2)
+    safe_next = torch.where(second, s_next, s / 2)
+    lam, lam_next, lam_prev = _lambda(s), _lambda(safe_next), _lambda(safe_prev)
+    h = lam_next - lam
+    r = (lam - lam_prev) / h
+    d = m0 + _bcast(1.0 / (2.0 * r), x) * (m0 - prev_x0.float())
+    second_order = _bcast(safe_next / s, x) * x - _bcast((1.0 - safe_next) * torch.expm1(-h), x) * d
+    return torch.where(_bcast(second, x), second_order, euler)
+
+
 def sample_step(
     kind: str,
     x: torch.Tensor,
@@ -112,12 +160,53 @@ def sample_step(
     eta: float,
     noise: torch.Tensor | None = None,
     sigma_max: torch.Tensor | None = None,
+    history: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> StepOut:
-    """One rollout step: x' = mean + std * noise (noise drawn by the caller, per request, for batch invariance)."""
+    """One rollout step: x' = mean + std * noise (noise drawn by the caller, per request, for batch invariance).
+
+    ``history`` = (x0 prediction, sigma) of each sample's previous step (``StepOut.x0`` and its ``s``), used by
+    the multistep ``dpm2`` solver and ignored by every other kind."""
+    x0 = x.float() - _bcast(s.float(), x) * v.float()
+    if kind == "dpm2":
+        prev_x0, prev_s = history if history is not None else (None, None)
+        nxt = dpm_solver_2m_step(x, v, s, s_next, prev_x0, prev_s)
+        return StepOut(nxt, nxt, torch.zeros_like(s.float()), None, x0)
     mean, std = step_mean(kind, x, v, s, s_next, eta, sigma_max)
     if kind == "ode":
-        return StepOut(mean, mean, std, None)
+        return StepOut(mean, mean, std, None, x0)
     if noise is None:
         raise ValueError(f"sampler {kind!r} needs noise")
     prev = mean + _bcast(std, mean) * noise.float()
-    return StepOut(prev, mean, std, transition_logprob(kind, prev, mean, std))
+    return StepOut(prev, mean, std, transition_logprob(kind, prev, mean, std), x0)
+
+
+# -- the forward process (training without log-probs) ------------------------------------------------
+
+def noised(x0: torch.Tensor, eps: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x_s = (1 - s) x0 + s eps, with s of shape (B,)."""
+    sb = _bcast(s.float(), x0)
+    return (1.0 - sb) * x0.float() + sb * eps.float()
+
+
+def velocity_target(x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The flow-matching regression target u = eps - x0."""
+    return eps.float() - x0.float()
+
+
+def training_sigmas(
+    n: int,
+    generator: torch.Generator,
+    kind: str = "uniform",
+    low: float = 0.0,
+    high: float = 1.0,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> torch.Tensor:
+    """n training noise levels in [low, high]: uniform, or logit-normal (sigmoid of N(mean, std))."""
+    if kind == "uniform":
+        u = torch.rand(n, generator=generator)
+    elif kind == "logit-normal":
+        u = torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator))
+    else:
+        raise ValueError(f"unknown sigma distribution {kind!r}; expected 'uniform' or 'logit-normal'")
+    return low + (high - low) * u
