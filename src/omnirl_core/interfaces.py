@@ -138,7 +138,12 @@ class Conditioning:
 
 @runtime_checkable
 class FlowModel(Protocol):
-    """The step contract every flow-matching model implements once; every flow algorithm then works."""
+    """The step contract every flow-matching model implements once; every flow algorithm then works.
+
+    Optional attribute ``text_encoder_version: int``: a model whose text encoder can change (trained or
+    reloaded) increments it on every change, so that cached prompt embeddings are dropped
+    (``omnirl_core.embedding_cache``). Without it the text encoder is taken to be frozen.
+    """
 
     capabilities: frozenset[str]
 

@@ -9,8 +9,8 @@ def omnirl_register_engines(register):
     register(
         EngineSpec(
             name="diffusers",
-            description="Embedded rollout engine: batched denoising over the model contract, core sampler, "
-            "per-request seeds.",
+            description="Embedded rollout engine: step-wise continuous batching over the model contract "
+            "(also static and one-at-a-time modes), prompt-embedding cache, core sampler, per-request seeds.",
             factory="omnirl_plugin_diffusers.engine:DiffusersRolloutEngine",
             config="omnirl_plugin_diffusers.engine:DiffusersRolloutOptions",
             roles=frozenset({"rollout"}),

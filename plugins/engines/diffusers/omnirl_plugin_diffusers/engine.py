@@ -1,30 +1,71 @@
-"""Rollout over the flow-model contract with the core sampler.
+"""The embedded rollout engine: denoising over the flow-model contract with the core sampler.
 
-Requests that can share a model call (same latent shape, CFG scale and plan) are batched, up to
-``max_batch_size``. Every request draws its noise from its own seeded generator, so a sample does not
-depend on which other requests shared its batches.
+Requests enter a queue (``generate`` or, from any thread, ``submit``) and become eligible at their arrival
+time. Each iteration the scheduler (``scheduler.py``) admits arrived requests and picks one batch of
+requests that can share a ``velocity`` call (same latent shape and CFG scale); the engine makes that call,
+applies the sampler to every request at its own step and sigma, and decodes and yields the requests that
+finished, at once. Modes: ``step`` (step-wise continuous batching, the default), ``request`` (static
+batches) and ``single`` (one request at a time).
+
+Batch invariance: every request draws its initial latent and its step noise from its own seeded
+generators, and its conditioning does not depend on which prompts it was encoded with, so a sample's
+latents and log-probs do not depend on what shared its batches (up to float rounding of the batched call).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+import math
+import threading
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.embedding_cache import EmbeddingCache
+from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
 from omnirl_core.sampler import sample_step
+from omnirl_plugin_diffusers.scheduler import Batch, Scheduler, Slot, StaticScheduler, StepScheduler
+from omnirl_plugin_diffusers.stats import RolloutStats
+
+_FP32_BYTES = 4
 
 
 class DiffusersRolloutOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    max_batch_size: int = Field(32, ge=1, description="Requests per model call.")
+    mode: Literal["step", "request", "single"] = Field(
+        "step", description="Batching: 'step' (step-wise continuous batching), 'request' (static batches that "
+        "run until their longest request is done), 'single' (one request at a time)."
+    )
+    max_num_seqs: int = Field(32, ge=1, description="Most requests in one model call.")
+    max_latent_mib: float | None = Field(
+        None, gt=0, description="Cap on the fp32 latents of the requests in flight, in MiB (None: no cap). "
+        "Requests wait in the queue until they fit."
+    )
+    embedding_cache_size: int = Field(
+        1024, ge=0, description="Prompts whose conditioning is kept while the text encoder is unchanged "
+        "(0: no cache, every request encodes its own prompt)."
+    )
 
 
 def _request_noise(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+
+
+@dataclass(eq=False)
+class _Trajectory:
+    """The tensors of one request in flight."""
+
+    x: torch.Tensor  # current latent, on the device
+    sigmas: torch.Tensor  # (T + 1,) fp32, on the host
+    states: list[torch.Tensor]  # x_0 .. x_step on the host
+    logprobs: torch.Tensor  # (T,) NaN for ODE steps
+    noise: torch.Generator  # the request's own step noise
+    cond: Conditioning
+    uncond: Conditioning | None
 
 
 class DiffusersRolloutEngine:
@@ -32,56 +73,194 @@ class DiffusersRolloutEngine:
         self.model = model
         self.options = options or DiffusersRolloutOptions()
         self.device = torch.device(device)
+        self.embeddings = EmbeddingCache(model, self.options.embedding_cache_size)
+        self.stats = RolloutStats(self.options.mode, self._max_num_seqs())
+        self._inbox: list[tuple[GenRequest, float]] = []
+        self._wakeup = threading.Condition()
+        self._sigmas: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._batch_cond: dict[Hashable, tuple[tuple[int, ...], Conditioning, Conditioning | None]] = {}
 
-    def conditioning(self, prompts: list[str]) -> dict[str, Conditioning]:
-        unique = list(OrderedDict.fromkeys(prompts))
-        cond = self.model.encode(unique)
-        return {p: cond.select([i]) for i, p in enumerate(unique)}
+    # -- queue ---------------------------------------------------------------------------------
+    def submit(self, request: GenRequest) -> None:
+        """Queue a request from any thread; it arrives ``request.arrival_s`` seconds from now and is
+        returned by the ``generate`` call that is running (or by the next one)."""
+        with self._wakeup:
+            self._inbox.append((request, time.perf_counter() + request.arrival_s))
+            self._wakeup.notify()
 
     def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
-        if not requests:
-            return
-        cond = self.conditioning([r.prompt for r in requests])
-        uncond = None
-        if any(r.guidance_scale > 1.0 for r in requests):
-            uncond = self.model.encode([getattr(self.model, "negative_prompt", " ")])
-        buckets: dict[tuple, list[GenRequest]] = OrderedDict()
-        for r in requests:
-            key = (self.model.latent_shape(r.height, r.width, r.num_frames), r.guidance_scale, r.plan)
-            buckets.setdefault(key, []).append(r)
-        for (shape, _, _), bucket in buckets.items():
-            for start in range(0, len(bucket), self.options.max_batch_size):
-                yield from self._denoise(bucket[start:start + self.options.max_batch_size], shape, cond, uncond)
+        """Generate ``requests`` (each arriving ``arrival_s`` after the call) and any request submitted
+        meanwhile; yields every sample as soon as it is finished, in completion order."""
+        start = time.perf_counter()
+        with self._wakeup:
+            self._inbox.extend((r, start + r.arrival_s) for r in requests)
+        self.stats = RolloutStats(self.options.mode, self._max_num_seqs(), started=start)
+        encode_before = self.embeddings.stats.as_dict()
+        try:
+            yield from self._serve(self._new_scheduler())
+        finally:
+            self.stats.ended = time.perf_counter()
+            after = self.embeddings.stats.as_dict()
+            self.stats.encode = {k: after[k] - encode_before[k] for k in after}
+            self._batch_cond.clear()
+
+    def _max_num_seqs(self) -> int:
+        return 1 if self.options.mode == "single" else self.options.max_num_seqs
+
+    def _new_scheduler(self) -> Scheduler:
+        cap = self.options.max_latent_mib
+        max_bytes = None if cap is None else int(cap * 2**20)
+        if self.options.mode == "step":
+            return StepScheduler(self._max_num_seqs(), max_bytes)
+        return StaticScheduler(self._max_num_seqs(), max_bytes)
+
+    # -- loop ----------------------------------------------------------------------------------
+    def _serve(self, scheduler: Scheduler) -> Iterator[Sample]:
+        stats = self.stats
+        while True:
+            self._drain_inbox(scheduler)
+            if scheduler.idle:
+                return
+            now = time.perf_counter()
+            admitted = scheduler.admit(now)
+            if admitted:
+                self._activate(admitted)
+                stats.seconds["admit"] += time.perf_counter() - now
+                stats.max_active = max(stats.max_active, len(scheduler.active))
+            batch = scheduler.next_batch()
+            if batch is None:
+                self._wait(scheduler.next_arrival(now))
+                continue
+            self._run(batch)
+            done = scheduler.finish(batch)
+            if done:
+                yield from self._retire(done)
+
+    def _drain_inbox(self, scheduler: Scheduler) -> None:
+        with self._wakeup:
+            pending, self._inbox = self._inbox, []
+        for request, arrival in pending:
+            shape = tuple(self.model.latent_shape(request.height, request.width, request.num_frames))
+            slot = Slot(request=request, key=(shape, float(request.guidance_scale)),
+                        nbytes=math.prod(shape) * _FP32_BYTES, num_steps=request.plan.num_steps, arrival=arrival)
+            try:
+                scheduler.add(slot)
+            except ValueError as exc:
+                raise UsageError(
+                    f"Request {request.uid} ({request.width}x{request.height}) needs "
+                    f"{slot.nbytes / 2**20:.3g} MiB of latents, more than rollout.options.max_latent_mib = "
+                    f"{self.options.max_latent_mib}.",
+                    hint="Raise rollout.options.max_latent_mib (or unset it), or lower the resolution.",
+                ) from exc
+
+    def _wait(self, until: float | None) -> None:
+        """Sleep until the next arrival or a ``submit``."""
+        start = time.perf_counter()
+        with self._wakeup:
+            if not self._inbox:
+                self._wakeup.wait(None if until is None else max(until - start, 0.0))
+        self.stats.seconds["idle"] += time.perf_counter() - start
+
+    # -- tensors -------------------------------------------------------------------------------
+    def _schedule(self, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+        key = (num_steps, shape)
+        if key not in self._sigmas:
+            self._sigmas[key] = self.model.sigmas(num_steps, shape).to(torch.float32).cpu()
+        return self._sigmas[key]
+
+    def _negative(self) -> Conditioning:
+        return self.embeddings.lookup([getattr(self.model, "negative_prompt", " ")])[0]
+
+    def _activate(self, slots: list[Slot]) -> None:
+        """Conditioning (one text-encoder call for the prompts not cached) and the initial latents."""
+        conds = self.embeddings.lookup([s.request.prompt for s in slots])
+        uncond = self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
+        for slot, cond in zip(slots, conds):
+            r = slot.request
+            shape = slot.key[0]
+            x = _request_noise(r.noise_seed if r.noise_seed is not None else r.seed, shape)
+            slot.state = _Trajectory(
+                x=x.to(self.device), sigmas=self._schedule(r.plan.num_steps, shape), states=[x],
+                logprobs=torch.full((r.plan.num_steps,), float("nan")),
+                noise=torch.Generator().manual_seed(r.seed + 1),
+                cond=cond, uncond=uncond if r.guidance_scale > 1.0 else None,
+            )
+
+    def _conditioning(self, batch: Batch) -> tuple[Conditioning, Conditioning | None]:
+        """The batch's concatenated conditioning, reused while the bucket's members are unchanged."""
+        ids = tuple(s.order for s in batch.slots)
+        cached = self._batch_cond.get(batch.key)
+        if cached is None or cached[0] != ids:
+            trajs = [s.state for s in batch.slots]
+            cond = Conditioning.cat([t.cond for t in trajs]).to(self.device)
+            uncond = None
+            if trajs[0].uncond is not None:
+                uncond = Conditioning.cat([t.uncond for t in trajs]).to(self.device)
+            cached = (ids, cond, uncond)
+            self._batch_cond[batch.key] = cached
+        return cached[1], cached[2]
 
     @torch.no_grad()
-    def _denoise(self, batch: list[GenRequest], shape: tuple[int, ...], cond: dict[str, Conditioning],
-                 uncond: Conditioning | None) -> Iterator[Sample]:
-        plan = batch[0].plan
-        n = len(batch)
-        sigmas = self.model.sigmas(plan.num_steps, shape)
-        x = torch.stack([_request_noise(r.noise_seed if r.noise_seed is not None else r.seed, shape)
-                         for r in batch]).to(self.device)
-        step_gens = [torch.Generator().manual_seed(r.seed + 1) for r in batch]
-        batch_cond = Conditioning.cat([cond[r.prompt] for r in batch]).to(self.device)
-        batch_uncond = Conditioning.cat([uncond] * n).to(self.device) if uncond is not None else None
-        trajectory = [x.float().cpu()]
-        logprobs = torch.full((n, plan.num_steps), float("nan"))
-        sigma_max = sigmas[1].expand(n).to(self.device)
-        for i, kind in enumerate(plan.step_kinds):
-            s = sigmas[i].expand(n).to(self.device)
-            s_next = sigmas[i + 1].expand(n).to(self.device)
-            v = self.model.velocity(x, s, batch_cond, batch[0].guidance_scale, batch_uncond)
+    def _run(self, batch: Batch) -> None:
+        """One model call for the batch, then one sampler step per request (grouped by sampler kind)."""
+        stats = self.stats
+        t0 = time.perf_counter()
+        slots = batch.slots
+        x = torch.stack([s.state.x for s in slots])
+        # a padding row sits at its final sigma; its output is thrown away
+        s_now = torch.stack([s.state.sigmas[min(s.step, s.num_steps)] for s in slots]).to(self.device)
+        cond, uncond = self._conditioning(batch)
+        scale = float(batch.key[1])
+        v = self.model.velocity(x, s_now, cond, scale, uncond)
+        t1 = time.perf_counter()
+        groups: dict[tuple[str, float], list[int]] = {}
+        for j, s in enumerate(batch.rows):
+            plan = s.request.plan
+            groups.setdefault((plan.step_kinds[s.step], plan.eta), []).append(j)
+        for (kind, eta), rows in groups.items():
+            members = [batch.rows[j] for j in rows]
+            index = torch.as_tensor(rows, device=self.device)
+            s_next = torch.stack([m.state.sigmas[m.step + 1] for m in members]).to(self.device)
+            sigma_max = torch.stack([m.state.sigmas[1] for m in members]).to(self.device)
             noise = None
             if kind != "ode":
-                noise = torch.stack([torch.randn(shape, generator=g) for g in step_gens]).to(self.device)
-            out = sample_step(kind, x, v, s, s_next, plan.eta, noise, sigma_max)
-            x = out.prev_sample
-            trajectory.append(x.cpu())
-            if out.logprob is not None:
-                logprobs[:, i] = out.logprob.cpu()
-        images = self.model.decode(x)
-        latents = torch.stack(trajectory, dim=1)
-        for j, r in enumerate(batch):
-            yield Sample(request=r, latents=latents[j], sigmas=sigmas.clone(), logprobs=logprobs[j].clone(),
-                         output=images[j],
-                         extras={"cond": cond[r.prompt], "uncond": uncond})
+                shape = x.shape[1:]
+                noise = torch.stack([torch.randn(shape, generator=m.state.noise) for m in members]).to(self.device)
+            out = sample_step(kind, x[index], v[index], s_now[index], s_next, eta, noise, sigma_max)
+            host = out.prev_sample.cpu()
+            logprob = out.logprob.cpu() if out.logprob is not None else None
+            for k, m in enumerate(members):
+                m.state.x = out.prev_sample[k]
+                m.state.states.append(host[k])
+                if logprob is not None:
+                    m.state.logprobs[m.step] = logprob[k]
+                m.step += 1
+        t2 = time.perf_counter()
+        stats.seconds["velocity"] += t1 - t0
+        stats.seconds["sampler"] += t2 - t1
+        row_cost = float(x[0].numel() * (2 if scale > 1.0 else 1))
+        stats.model_calls += 1
+        stats.useful_rows += len(batch.rows)
+        stats.padding_rows += len(batch.padding)
+        stats.useful_cost += row_cost * len(batch.rows)
+        stats.padding_cost += row_cost * len(batch.padding)
+
+    def _retire(self, slots: list[Slot]) -> Iterator[Sample]:
+        """Decode finished requests (one VAE call per bucket) and hand them out."""
+        buckets: dict[Hashable, list[Slot]] = {}
+        for s in slots:
+            buckets.setdefault(s.key, []).append(s)
+        for group in buckets.values():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                images = self.model.decode(torch.stack([s.state.x for s in group]))
+            finished = time.perf_counter()
+            self.stats.seconds["decode"] += finished - t0
+            self.stats.decode_calls += 1
+            for s, image in zip(group, images):
+                t = s.state
+                self.stats.latencies.append(finished - s.arrival)
+                self.stats.samples += 1
+                s.state = None  # the latents leave the engine with the sample
+                yield Sample(request=s.request, latents=torch.stack(t.states), sigmas=t.sigmas.clone(),
+                             logprobs=t.logprobs, output=image, extras={"cond": t.cond, "uncond": t.uncond})

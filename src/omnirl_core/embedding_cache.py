@@ -1,0 +1,118 @@
+"""A prompt-embedding cache for rollout engines: each distinct prompt is encoded once while the text
+encoder's weights are unchanged, and every sample of that prompt (a whole group) shares the result.
+
+Staleness: a model whose text encoder can change (trained, or reloaded) exposes an integer
+``text_encoder_version`` and increments it on every change; the cache drops everything when it moves. A
+model without the attribute has a frozen text encoder (the usual case: the denoiser is what RL trains).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from omnirl_core.interfaces import Conditioning
+
+
+def text_encoder_version(model: Any) -> int:
+    """The model's text-encoder version counter (0 for a model that never changes its text encoder)."""
+    return int(getattr(model, "text_encoder_version", 0))
+
+
+def trim_padding(cond: Conditioning) -> Conditioning:
+    """One row of conditioning without its trailing padding: the positions where every ``pad_keys`` tensor
+    is zero ("not a token", the padding ``Conditioning.cat`` adds back). A prompt's conditioning then does
+    not depend on which other prompts it was encoded with."""
+    if not cond.pad_keys:
+        return cond
+    if len(cond) != 1:
+        raise ValueError(f"trim_padding takes one row of conditioning, got {len(cond)}")
+    used = None
+    for key in cond.pad_keys:
+        t = cond.tensors[key][0]
+        row_used = t.reshape(t.shape[0], -1).ne(0).any(dim=1)
+        used = row_used if used is None else used | row_used
+    positions = used.nonzero()
+    length = int(positions[-1]) + 1 if len(positions) else 1
+    if length == used.shape[0]:
+        return cond
+    return Conditioning(
+        {k: v[:, :length].contiguous() if k in cond.pad_keys else v for k, v in cond.tensors.items()},
+        cond.pad_keys,
+    )
+
+
+@dataclass
+class EncodeStats:
+    """Text-encoder work: ``calls`` to ``model.encode``, the ``prompts`` they encoded, cache ``hits``."""
+
+    calls: int = 0
+    prompts: int = 0
+    hits: int = 0
+    seconds: float = 0.0
+    invalidations: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "prompts": self.prompts, "hits": self.hits, "seconds": self.seconds,
+                "invalidations": self.invalidations}
+
+
+class EmbeddingCache:
+    """Per-prompt conditioning, least recently used first out beyond ``max_entries``.
+
+    ``max_entries=0`` turns caching off: every lookup encodes each of its prompts (duplicates included),
+    which is what an engine without a cache does per request; kept for comparison.
+    """
+
+    def __init__(self, model: Any, max_entries: int = 1024):
+        if max_entries < 0:
+            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+        self.model = model
+        self.max_entries = max_entries
+        self.stats = EncodeStats()
+        self._entries: OrderedDict[str, Conditioning] = OrderedDict()
+        self._version = text_encoder_version(model)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def invalidate(self) -> None:
+        """Forget every entry (the text encoder changed without bumping ``text_encoder_version``)."""
+        self._entries.clear()
+        self.stats.invalidations += 1
+
+    def lookup(self, prompts: Sequence[str]) -> list[Conditioning]:
+        """One-row conditioning per prompt, in order; missing prompts are encoded in a single call."""
+        if not prompts:
+            return []
+        if self.max_entries == 0:
+            return self._encode(list(prompts))
+        version = text_encoder_version(self.model)
+        if version != self._version:
+            self.invalidate()
+            self._version = version
+        found: dict[str, Conditioning] = {}
+        for p in dict.fromkeys(prompts):
+            if p in self._entries:
+                self._entries.move_to_end(p)
+                found[p] = self._entries[p]
+        self.stats.hits += sum(p in found for p in prompts)
+        missing = [p for p in dict.fromkeys(prompts) if p not in found]
+        if missing:
+            for p, cond in zip(missing, self._encode(missing)):
+                found[p] = self._entries[p] = cond
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return [found[p] for p in prompts]
+
+    def _encode(self, prompts: list[str]) -> list[Conditioning]:
+        start = time.perf_counter()
+        cond = self.model.encode(prompts)
+        rows = [trim_padding(cond.select([i])) for i in range(len(prompts))]
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.calls += 1
+        self.stats.prompts += len(prompts)
+        return rows
