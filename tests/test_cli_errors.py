@@ -102,3 +102,13 @@ def test_dry_run_prints_the_plan_without_a_device():
     assert proc.returncode == 0, proc.stderr
     assert "samples_per_step: 32" in proc.stdout and "algorithm: qwen-image" not in proc.stdout
     assert "flowgrpo" in proc.stdout
+
+
+def test_usage_errors_exit_2_without_a_traceback():
+    proc = run_cli("train", "--bogus")
+    assert proc.returncode == 2 and "No such option: --bogus" in proc.stderr
+    _no_traceback(proc)
+    bare = run_cli()
+    assert bare.returncode == 2 and "Usage" in bare.stdout + bare.stderr and "NoArgsIsHelpError" not in bare.stderr
+    fmt = run_cli("models", "--format", "xml")
+    assert fmt.returncode == 2 and "Unknown --format 'xml'" in fmt.stderr

@@ -155,3 +155,41 @@ def test_third_party_plugin_package_is_installed_and_discovered(tmp_path: Path):
     # without it on the path it is gone
     assert "brightness" not in run_cli("rewards", "--format", "json").stdout
     assert (REPO / "CONTRIBUTING.md").is_file()
+
+
+def _device_plugin(name: str, count: int, priority: int):
+    from omnirl_core.registry import DeviceSpec
+
+    class Device:
+        @hookimpl
+        def omnirl_register_devices(self, register):
+            register(DeviceSpec(name=name, factory=lambda: count, torch_device=name, priority=priority))
+
+    return Device()
+
+
+def _raising_probe_plugin():
+    from omnirl_core.registry import DeviceSpec
+
+    def probe():
+        raise RuntimeError("driver missing")
+
+    class Device:
+        @hookimpl
+        def omnirl_register_devices(self, register):
+            register(DeviceSpec(name="flaky", factory=probe, torch_device="flaky", priority=100))
+
+    return Device()
+
+
+def test_device_auto_picks_the_best_available(manager: PluginManager):
+    from omnirl_core.resolve import resolve_device
+
+    manager.register(_device_plugin("cpu", 1, 0), "cpu")
+    manager.register(_device_plugin("cuda", 0, 10), "cuda")
+    manager.register(_raising_probe_plugin(), "flaky")  # a probe that raises counts as unavailable
+    assert resolve_device(manager, "auto").name == "cpu"
+    with pytest.raises(PluginError, match="'cuda' is not available"):
+        resolve_device(manager, "cuda")
+    manager.register(_device_plugin("cuda2", 2, 10), "cuda2")
+    assert resolve_device(manager, "auto").name == "cuda2"

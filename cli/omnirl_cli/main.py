@@ -390,12 +390,13 @@ def run() -> None:
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:  # noqa: BLE001  click's usage errors and runtime failures
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        # typer's (vendored) click: usage errors know how to show themselves
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            sys.exit(EXIT_USAGE)  # the help text is already printed
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
             exc.show()
             sys.exit(EXIT_USAGE)
-        if isinstance(exc, click.exceptions.Abort):
+        if type(exc).__name__ == "Abort":
             sys.exit(EXIT_RUNTIME)
         if STATE["debug"]:
             raise
