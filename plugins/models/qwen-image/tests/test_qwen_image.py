@@ -134,3 +134,18 @@ def test_full_finetune_reference_is_a_frozen_copy(tiny_dir: Path):
             ref = model.velocity(x, sigma, cond)
     assert (trained - ref).abs().max() > 1e-3
     assert not any(p.requires_grad for p in model._reference_copy.parameters())
+
+
+def test_unreachable_hub_id_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom omnirl_plugin_qwen_image.model import load_pipeline\n"
+            "from omnirl_core.errors import UsageError\n"
+            "try:\n    load_pipeline('Qwen/Qwen-Image', torch.float32)\nexcept UsageError as e:\n"
+            "    print('ERR', e.render())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert "ERR Could not load Qwen-Image from 'Qwen/Qwen-Image'" in out.stdout, out.stderr[-2000:]
+    assert "--preset tiny" in out.stdout
