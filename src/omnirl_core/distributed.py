@@ -1,0 +1,45 @@
+"""torch.distributed process groups for training worker groups (gloo on CPU, nccl on CUDA, hccl on
+Ascend: the hardware plugin's ``DeviceSpec.backend``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend(device_type: str) -> str:
+    """The backend torch pairs with a device type (a device extension such as torch-npu adds its own)."""
+    import torch.distributed as dist
+
+    return dist.Backend.default_device_backend_map.get(device_type, "gloo")
+
+
+def init_process_group(backend: str, rank: int, world_size: int, address: str, port: int,
+                       timeout_s: float = 600.0) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend=backend, init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def ensure_process_group(backend: str) -> None:
+    """Join the group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun's variables),
+    or form a group of one when they are unset (a single process can run a distributed engine)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_process_group(backend, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                           os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
+    else:
+        init_process_group(backend, 0, 1, "127.0.0.1", free_port())
