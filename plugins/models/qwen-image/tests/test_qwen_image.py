@@ -149,3 +149,9 @@ def test_unreachable_hub_id_is_a_clear_error():
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert "ERR Could not load Qwen-Image from 'Qwen/Qwen-Image'" in out.stdout, out.stderr[-2000:]
     assert "--preset tiny" in out.stdout
+
+
+def test_flow_model_contract(tiny_dir: Path):
+    from omnirl_core.testing import check_flow_model
+
+    check_flow_model(_model(tiny_dir), height=32, width=32)

@@ -28,3 +28,9 @@ def test_prompt_decides_the_target():
 def test_prompt_without_a_colour_is_an_error():
     with pytest.raises(ValueError, match="names no colour"):
         named_color("a photo of a cat")
+
+
+def test_reward_contract():
+    from omnirl_core.testing import check_reward
+
+    check_reward(ColorMatch(), [_solid((1, 0, 0)), _solid((0.2, 0.3, 0.4))], ["a red square", "a blue sky"])

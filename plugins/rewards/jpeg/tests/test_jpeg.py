@@ -15,3 +15,9 @@ def test_quality_changes_the_size():
     low = JpegCompressibility(JpegOptions(quality=10))([noise], ["a"])[0]
     high = JpegCompressibility(JpegOptions(quality=95))([noise], ["a"])[0]
     assert low > high
+
+
+def test_reward_contract():
+    from omnirl_core.testing import check_reward
+
+    check_reward(JpegCompressibility(), [torch.rand(3, 32, 32), torch.zeros(3, 32, 32)], ["a", "b"])

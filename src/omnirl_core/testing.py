@@ -1,0 +1,67 @@
+"""Contract checks a plugin's own tests run on its tiny CPU components.
+
+    from omnirl_core.testing import check_flow_model, check_reward
+
+    def test_contract(tiny_model):
+        check_flow_model(tiny_model, height=32, width=32)
+
+Each check raises AssertionError with what is wrong; they assert behaviour the rest of omnirl relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def check_flow_model(model: Any, height: int, width: int, num_frames: int | None = None,
+                     prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
+    """The flow-model contract: shapes, fp32 velocities, a valid schedule, decoding to [0, 1], batch
+    invariance of ``velocity`` (a sample's velocity does not depend on what shares its batch) and a
+    reference policy."""
+    import torch
+
+    from omnirl_core.interfaces import Conditioning
+
+    assert isinstance(model.capabilities, frozenset) and "flow-matching" in model.capabilities
+    shape = tuple(model.latent_shape(height, width, num_frames))
+    sigmas = model.sigmas(4, shape)
+    assert sigmas.dtype == torch.float32 and sigmas.shape == (5,), sigmas
+    assert abs(float(sigmas[0]) - 1.0) < 1e-6 and float(sigmas[-1]) == 0.0, sigmas
+    assert bool((sigmas[1:] < sigmas[:-1]).all()), f"sigmas must decrease: {sigmas}"
+
+    cond = model.encode(list(prompts))
+    assert isinstance(cond, Conditioning) and len(cond) == len(prompts)
+    singles = [model.encode([p]) for p in prompts]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(prompts), *shape, generator=g)
+    s = torch.full((len(prompts),), 0.7)
+    with torch.no_grad():
+        v = model.velocity(x, s, Conditioning.cat(singles))
+        assert v.dtype == torch.float32 and v.shape == x.shape, (v.dtype, v.shape)
+        for i, single in enumerate(singles):
+            alone = model.velocity(x[i:i + 1], s[i:i + 1], single)
+            err = (alone[0] - v[i]).abs().max().item()
+            assert err <= 1e-5, f"velocity of sample {i} changes with its batch by {err}"
+        if "cfg" in model.capabilities:
+            uncond = Conditioning.cat([model.encode([" "])] * len(prompts))
+            guided = model.velocity(x, s, Conditioning.cat(singles), 4.0, uncond)
+            assert guided.shape == v.shape and (guided - v).abs().max() > 0
+        with model.reference():
+            ref = model.velocity(x, s, Conditioning.cat(singles))
+        assert ref.shape == v.shape
+        out = model.decode(x)
+    assert out.shape[0] == len(prompts) and out.shape[1] == 3, out.shape
+    assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
+    assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
+
+
+def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+    """A reward returns one finite float per sample and is deterministic."""
+    import math
+
+    first = list(reward(outputs, prompts))
+    assert len(first) == len(outputs), f"{len(first)} scores for {len(outputs)} samples"
+    assert all(isinstance(v, float) and math.isfinite(v) for v in first), first
+    assert list(reward(outputs, prompts)) == first, "the reward is not deterministic"
+    return first
