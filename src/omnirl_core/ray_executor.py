@@ -1,0 +1,298 @@
+"""The Ray executor: worker groups as Ray actors on resource pools, the same controller as ``inline``.
+
+Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_resource`` (CPU, GPU, NPU):
+  train    ``run.train_workers`` actor ranks forming a torch.distributed group (the device's backend);
+           with ``placement: colocated`` the single rank also holds the rollout engine (one model, no
+           weight copy);
+  rollout  ``placement: split`` only: a rollout worker; weights are synced to it after each update
+           (LoRA only when training LoRA, the full denoiser otherwise);
+  reward   ``run.reward_workers`` reward actors with the resources the rewards declare.
+
+Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator, each finished sample an
+object in Ray's store. In async mode the controller hands each one to a reward actor the moment it
+appears (the sample goes from store to reward actor, not through the controller), so rewards overlap the
+rest of the rollout; in sync mode the batch is scored after the rollout. The update waits for all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from omnirl_core.errors import UsageError
+from omnirl_core.executors import WorkerCheckpoint, build_rewards
+from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.resolve import ResolvedRun
+from omnirl_core.worker import Worker
+
+log = logging.getLogger("omnirl.ray")
+POOL_TIMEOUT_S = 120.0
+
+
+class WorkerActor:
+    """A ``Worker`` inside a Ray actor (wrapped with ``ray.remote`` at setup)."""
+
+    def __init__(self, resolved: ResolvedRun, roles: list[str], rank: int, world_size: int):
+        self.worker = Worker(resolved, set(roles), rank=rank, world_size=world_size)
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        from omnirl_core.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_group(self, backend: str, address: str, port: int) -> None:
+        from omnirl_core.distributed import init_process_group
+
+        init_process_group(backend, self.worker.rank, self.worker.world_size, address, port)
+
+    def setup(self) -> None:
+        self.worker.setup()
+
+    def generate(self, requests: list[GenRequest]):
+        yield from self.worker.generate(requests)
+
+    def update(self, units: list[Any], step: int) -> dict[str, float]:
+        return self.worker.update(units, step)
+
+    def trained_state(self) -> dict[str, Any] | None:
+        return self.worker.trained_state()
+
+    def load_trained_state(self, state: dict[str, Any]) -> int:
+        from omnirl_core.weight_sync import state_bytes
+
+        self.worker.load_trained_state(state)
+        return state_bytes(state)
+
+    def save_state(self, directory: str) -> list[str]:
+        return self.worker.save_state(directory)
+
+    def load_state(self, directory: str) -> None:
+        self.worker.load_state(directory)
+
+
+class RewardActor:
+    """Scores samples with the run's rewards; returns the scores, never the samples."""
+
+    def __init__(self, resolved: ResolvedRun):
+        self.rewards = build_rewards(resolved)
+
+    def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], dict[str, float], float]:
+        start = time.perf_counter()
+        failed = self.rewards.score(list(samples))
+        return [(s.rewards, s.reward) for s in samples], failed, time.perf_counter() - start
+
+
+def _actor_resources(resource: str, cpus: float) -> dict[str, Any]:
+    """Ray actor options for one worker on a device whose Ray resource is ``resource``."""
+    if resource == "CPU":
+        return {"num_cpus": cpus}
+    if resource == "GPU":
+        return {"num_cpus": cpus, "num_gpus": 1}
+    return {"num_cpus": cpus, "resources": {resource: 1}}
+
+
+def _bundle(options: dict[str, Any]) -> dict[str, float]:
+    bundle = {"CPU": options.get("num_cpus", 0)}
+    if options.get("num_gpus"):
+        bundle["GPU"] = options["num_gpus"]
+    bundle.update(options.get("resources", {}))
+    return {k: v for k, v in bundle.items() if v}
+
+
+class RayExecutor:
+    name = "ray"
+
+    def __init__(self, resolved: ResolvedRun):
+        self.resolved = resolved
+        run = resolved.config.run
+        if run.placement == "colocated" and run.train_workers > 1:
+            raise UsageError(
+                f"run.train_workers={run.train_workers} needs run.placement=split: a colocated rollout would "
+                "have to run on every sharded rank.",
+                hint="Set run.placement=split (a separate rollout worker, weights synced after each update).",
+            )
+        if run.train_workers > 1 and not getattr(resolved.train_engine.load_factory(), "distributed", False):
+            raise UsageError(
+                f"Train engine '{resolved.train_engine.name}' runs in one process; run.train_workers="
+                f"{run.train_workers} needs a distributed engine.",
+                hint="Set train.engine=fsdp2, or run.train_workers=1.",
+            )
+        self.colocated = run.placement == "colocated"
+        self.train: list[Any] = []
+        self.rollout_worker: Any = None
+        self.reward_actors: list[Any] = []
+        self.pools: list[Any] = []
+        self._started_ray = False
+        self._next_reward = 0
+
+    # -- placement -----------------------------------------------------------------------------
+    def _connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        env = {k: v for k, v in os.environ.items() if k.startswith(("OMNIRL_", "HF_"))}
+        ray.init(address=self.resolved.config.run.ray_address, include_dashboard=False,
+                 runtime_env={"env_vars": env} if env else None)
+        self._started_ray = True
+
+    def _pool(self, name: str, bundles: list[dict[str, float]]) -> Any:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        pool = placement_group(bundles, strategy="PACK", name=f"omnirl-{name}-{os.getpid()}-{id(self)}")
+        self.pools.append(pool)
+        ready, _ = ray.wait([pool.ready()], timeout=POOL_TIMEOUT_S)
+        if not ready:
+            raise UsageError(
+                f"Ray could not place the {name} pool ({bundles}) within {POOL_TIMEOUT_S:.0f} s.",
+                details=[f"Cluster resources: {ray.cluster_resources()}",
+                         f"Available now: {ray.available_resources()}"],
+                hint="Lower run.worker_cpus / run.reward_workers / run.train_workers, or add resources.",
+            )
+        return pool
+
+    def _place(self, cls: Any, pool: Any, index: int, options: dict[str, Any], *args: Any) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
+        return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
+
+    def setup(self, algorithm: Any) -> None:
+        import ray
+
+        self._connect()
+        r = self.resolved
+        run = r.config.run
+        resource = r.device.ray_resource if r.device else "CPU"
+        worker_opts = _actor_resources(resource, run.worker_cpus)
+        train_roles = ["actor", "rollout"] if self.colocated else ["actor"]
+        train_pool = self._pool("train", [_bundle(worker_opts)] * run.train_workers)
+        self.train = [self._place(WorkerActor, train_pool, rank, worker_opts, r, train_roles, rank,
+                                  run.train_workers) for rank in range(run.train_workers)]
+        if run.train_workers > 1:
+            address, port = ray.get(self.train[0].address.remote())
+            backend = r.device.backend if r.device else "gloo"
+            ray.get([w.init_group.remote(backend, address, port) for w in self.train])
+        if self.colocated:
+            self.rollout_worker = self.train[0]
+        else:
+            rollout_pool = self._pool("rollout", [_bundle(worker_opts)])
+            self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1)
+        reward_opts = self._reward_options()
+        reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
+        self.reward_actors = [self._place(RewardActor, reward_pool, i, reward_opts, r)
+                              for i in range(run.reward_workers)]
+        ray.get([w.setup.remote() for w in self._workers()])
+        if not self.colocated:
+            self.sync_weights()  # the rollout worker starts from the actor's exact weights
+
+    def _reward_options(self) -> dict[str, Any]:
+        """Each reward actor reserves the most any of the run's rewards declares (0.5 CPU by default)."""
+        need: dict[str, float] = {"CPU": 0.5}
+        for spec in self.resolved.rewards:
+            for key, value in spec.resources.items():
+                need[key] = max(need.get(key, 0.0), float(value))
+        options: dict[str, Any] = {"num_cpus": need.pop("CPU")}
+        if "GPU" in need:
+            options["num_gpus"] = need.pop("GPU")
+        if need:
+            options["resources"] = need
+        return options
+
+    def _workers(self) -> list[Any]:
+        return self.train if self.colocated else [*self.train, self.rollout_worker]
+
+    # -- the step ------------------------------------------------------------------------------
+    def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
+        import ray
+
+        mode = self.resolved.config.run.reward_mode
+        start = time.perf_counter()
+        refs, calls = [], []
+        for ref in self.rollout_worker.generate.options(num_returns="streaming").remote(requests):
+            refs.append(ref)
+            if mode == "async":  # straight from the object store to a reward actor
+                calls.append(self._reward_actor().score.remote(ref))
+        rollout_end = time.perf_counter()
+        if mode == "sync":
+            size = -(-len(refs) // len(self.reward_actors)) if refs else 1
+            calls = [self._reward_actor().score.remote(*refs[i:i + size]) for i in range(0, len(refs), size)]
+        samples: list[Sample] = ray.get(refs)
+        results = ray.get(calls)
+        end = time.perf_counter()
+        scores = [item for result in results for item in result[0]]
+        for sample, (rewards, total) in zip(samples, scores):
+            sample.rewards, sample.reward = rewards, total
+        failed: dict[str, float] = {}
+        for _, flags, _ in results:
+            failed.update(flags)
+        return samples, {**failed, "time/rollout_s": rollout_end - start, "time/reward_s": end - rollout_end,
+                         "time/reward_busy_s": sum(busy for _, _, busy in results)}
+
+    def _reward_actor(self) -> Any:
+        actor = self.reward_actors[self._next_reward % len(self.reward_actors)]
+        self._next_reward += 1
+        return actor
+
+    def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+        """Every rank gets the units (one copy in the object store) and runs its own algorithm instance,
+        built from the same config; metrics are reduced across ranks by the engine."""
+        import ray
+
+        ref = ray.put(units)
+        return ray.get([w.update.remote(ref, step) for w in self.train])[0]
+
+    def sync_weights(self) -> dict[str, float]:
+        import ray
+
+        if self.colocated:
+            return {}
+        states = [w.trained_state.remote() for w in self.train]  # a collective on sharded ranks
+        moved = ray.get(self.rollout_worker.load_trained_state.remote(states[0]))
+        ray.get(states[1:])
+        return {"sync/bytes": float(moved)}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save_state(self, directory: Path) -> list[str]:
+        import ray
+
+        files = ray.get([w.save_state.remote(str(directory)) for w in self.train])
+        return sorted({f for part in files for f in part})
+
+    def _load_state(self, directory: Path) -> None:
+        import ray
+
+        ray.get([w.load_state.remote(str(directory)) for w in self.train])
+        if not self.colocated:
+            self.sync_weights()
+
+    def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
+        from omnirl_core.checkpoint import save_checkpoint
+
+        return save_checkpoint(run_dir, step, WorkerCheckpoint(self._save_state, self._load_state), None, extra)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from omnirl_core.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, WorkerCheckpoint(self._save_state, self._load_state), None)
+
+    def close(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in [*self.train, *([] if self.colocated else [self.rollout_worker]), *self.reward_actors]:
+            if actor is not None:
+                ray.kill(actor)
+        for pool in self.pools:
+            ray.util.remove_placement_group(pool)
+        self.train, self.reward_actors, self.pools = [], [], []
+        if self._started_ray:
+            ray.shutdown()

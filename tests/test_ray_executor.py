@@ -1,0 +1,98 @@
+"""The Ray executor against the inline one: same seeds, same metrics (colocated and split placement,
+LoRA weights synced to the rollout worker); and its placement errors. Ray on this machine:
+``ray.init(num_cpus=2)``; the run's plugins are registered explicitly."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from omnirl_core.controller import Controller
+from omnirl_core.errors import UsageError
+from omnirl_core.plugins import PluginManager
+from omnirl_core.resolve import resolve_run
+
+ray = pytest.importorskip("ray")
+
+PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
+           "omnirl_plugin_torch", "omnirl_plugin_color"]
+STEPS = 2
+
+
+def _resolved(out: Path, **run):
+    manager = PluginManager()
+    manager.load_modules(PLUGINS)
+    layers = [{
+        "model": {"name": "qwen-image", "preset": "tiny", "lora": {"rank": 4, "alpha": 4}},
+        "algorithm": {"name": "flowgrpo"},
+        "rewards": [{"name": "color"}],
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "num_steps": 3, "height": 32, "width": 32},
+        "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 8},
+        "run": {"seed": 11, "steps": STEPS, "output_dir": str(out), "device": "cpu", "save_every": 100,
+                "sample_every": 100, **run},
+    }]
+    return resolve_run(manager, layers)
+
+
+def _metrics(out: Path, **run) -> list[dict]:
+    resolved = _resolved(out, **run)
+    controller = Controller(resolved, out)
+    controller.run_dir.prepare(resolved.dump(), [])
+    controller.run()
+    return controller.run_dir.read_metrics()
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) == STEPS
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not k.startswith(("time/", "images_per_s", "sync/"))}
+        assert keys <= set(rb)
+        for key in keys:
+            assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-7), (key, ra[key], rb[key])
+
+
+@pytest.fixture(scope="module")
+def inline_metrics(tmp_path_factory) -> list[dict]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a 1-CPU Ray actor: the same float reduction order
+    try:
+        return _metrics(tmp_path_factory.mktemp("inline"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_colocated_run_matches_inline(ray_cluster, inline_metrics, tmp_path: Path):
+    got = _metrics(tmp_path, executor="ray", placement="colocated")
+    _same(inline_metrics, got)
+    assert all("sync/bytes" not in r for r in got)  # one model: nothing to copy
+    assert (tmp_path / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_ray_split_run_syncs_lora_and_matches_inline(ray_cluster, inline_metrics, tmp_path: Path):
+    got = _metrics(tmp_path, executor="ray", placement="split", worker_cpus=0.5, reward_mode="sync")
+    _same(inline_metrics, got)
+    # only the LoRA weights move: rank 4 adapters on the tiny transformer, fp32
+    from safetensors.torch import load_file
+
+    lora = load_file(str(tmp_path / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors"))
+    assert got[0]["sync/bytes"] == sum(t.numel() * 4 for t in lora.values())
+
+
+def test_colocated_with_several_train_ranks_is_refused(tmp_path: Path):
+    from omnirl_core.ray_executor import RayExecutor
+
+    with pytest.raises(UsageError, match="placement=split"):
+        RayExecutor(_resolved(tmp_path, executor="ray", train_workers=2))
+    with pytest.raises(UsageError, match="distributed engine"):
+        RayExecutor(_resolved(tmp_path, executor="ray", placement="split", train_workers=2))
