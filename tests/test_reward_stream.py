@@ -1,0 +1,62 @@
+"""Async streaming reward: a finished sample is scored while the rollout is still producing the next
+ones; sync mode scores after the rollout. Checked by event order, not by timing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.rewards import RewardError, RewardFn, RewardSet, RewardStream
+
+PLAN = RolloutPlan(step_kinds=("ode",), train_steps=())
+
+
+def _sample(i: int) -> Sample:
+    req = GenRequest(uid=i, prompt=f"p{i}", prompt_index=i, group=0, seed=i, height=8, width=8, plan=PLAN)
+    return Sample(request=req, latents=None, sigmas=None, logprobs=None, output=float(i))
+
+
+def _rollout(n: int, scored_first: threading.Event, overlapped: list[bool]):
+    """Yields n samples; before the last one, waits (briefly) to see whether sample 0 got scored."""
+    for i in range(n):
+        if i == n - 1:
+            overlapped.append(scored_first.wait(timeout=5.0))
+        yield _sample(i)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_async_scores_during_the_rollout_sync_after(mode: str):
+    scored_first = threading.Event()
+
+    def reward(outputs, prompts):
+        if 0.0 in outputs:
+            scored_first.set()
+        return [2.0 * o for o in outputs]
+
+    overlapped: list[bool] = []
+    stream = RewardStream(RewardSet([RewardFn("double", reward, weight=0.5)]), workers=2, mode=mode)
+    if mode == "sync":  # the wait would always time out: make it short
+        scored_first.wait = lambda timeout=None: threading.Event.wait(scored_first, 0.05)  # type: ignore[method-assign]
+    samples, failed, timing = stream.run(_rollout(4, scored_first, overlapped))
+    stream.close()
+    assert overlapped == [mode == "async"]
+    assert [s.reward for s in samples] == [0.0, 1.0, 2.0, 3.0]  # weight 0.5 x 2 x output
+    assert [s.rewards["double"] for s in samples] == [0.0, 2.0, 4.0, 6.0]
+    assert failed == {} and timing.busy_s >= 0 and timing.rollout_s > 0
+
+
+def test_failures_in_streamed_scoring():
+    def broken(outputs, prompts):
+        raise RuntimeError("judge down")
+
+    ok = RewardFn("ok", lambda outs, prompts: [1.0] * len(outs))
+    stream = RewardStream(RewardSet([ok, RewardFn("judge", broken, required=False)]), workers=2)
+    samples, failed, _ = stream.run(iter([_sample(0), _sample(1)]))
+    assert failed == {"reward/judge/failed": 1.0}
+    assert all(s.reward == 1.0 and "judge" not in s.rewards for s in samples)
+    stream = RewardStream(RewardSet([RewardFn("judge", broken)]), workers=2)
+    with pytest.raises(RewardError, match="Required reward 'judge' failed"):
+        stream.run(iter([_sample(0)]))
+    stream.close()
