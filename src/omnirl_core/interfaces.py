@@ -3,6 +3,7 @@ engine protocols. Plain data and typing only; torch is imported lazily by the ty
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -37,9 +38,9 @@ class RolloutPlan:
             if self.step_kinds[i] in ("ode", "dpm2"):
                 raise ValueError(f"train step {i} is an ODE step: it has no log-prob")
         idx = self.sigma_indices
-        if idx is not None:
-            if len(idx) != len(self.step_kinds) + 1 or idx[0] != 0 or any(b <= a for a, b in zip(idx, idx[1:])):
-                raise ValueError(f"sigma_indices {idx} must rise from 0 and hold num_steps + 1 entries")
+        if idx is not None and (len(idx) != len(self.step_kinds) + 1 or idx[0] != 0
+                                or any(b <= a for a, b in itertools.pairwise(idx))):
+            raise ValueError(f"sigma_indices {idx} must rise from 0 and hold num_steps + 1 entries")
 
     @property
     def num_steps(self) -> int:

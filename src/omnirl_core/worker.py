@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,11 @@ class Worker:
 
     # -- rollout -------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
-        yield from self.rollout.generate(requests)
+        # optional algorithm hook: roll out with other weights than the trained ones (DiffusionNFT's EMA
+        # sampler policy); a context manager around the whole rollout
+        hook = getattr(self.algorithm, "rollout_policy", None)
+        with hook(self.model) if hook is not None else nullcontext():
+            yield from self.rollout.generate(requests)
 
     # -- training ------------------------------------------------------------------------------
     def update(self, units: list[Any], step: int, algorithm: Any = None) -> dict[str, float]:

@@ -66,6 +66,7 @@ class _Trajectory:
     noise: torch.Generator  # the request's own step noise
     cond: Conditioning
     uncond: Conditioning | None
+    history: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (x0 prediction, sigma): dpm2
 
 
 class DiffusersRolloutEngine:
@@ -180,7 +181,8 @@ class DiffusersRolloutEngine:
             shape = slot.key[0]
             x = _request_noise(r.noise_seed if r.noise_seed is not None else r.seed, shape)
             slot.state = _Trajectory(
-                x=x.to(self.device), sigmas=self._schedule(r.plan.num_steps, shape), states=[x],
+                x=x.to(self.device), sigmas=r.plan.sigmas_from(self._schedule(r.plan.schedule_steps, shape)),
+                states=[x],
                 logprobs=torch.full((r.plan.num_steps,), float("nan")),
                 noise=torch.Generator().manual_seed(r.seed + 1),
                 cond=cond, uncond=uncond if r.guidance_scale > 1.0 else None,
@@ -226,11 +228,17 @@ class DiffusersRolloutEngine:
             if kind != "ode":
                 shape = x.shape[1:]
                 noise = torch.stack([torch.randn(shape, generator=m.state.noise) for m in members]).to(self.device)
-            out = sample_step(kind, x[index], v[index], s_now[index], s_next, eta, noise, sigma_max)
+            history = None
+            if kind == "dpm2":  # multistep: each request's previous data prediction (none: first order)
+                none = (torch.zeros_like(x[0]), torch.ones((), device=self.device))
+                past = [m.state.history or none for m in members]
+                history = (torch.stack([h[0] for h in past]), torch.stack([h[1] for h in past]))
+            out = sample_step(kind, x[index], v[index], s_now[index], s_next, eta, noise, sigma_max, history)
             host = out.prev_sample.cpu()
             logprob = out.logprob.cpu() if out.logprob is not None else None
             for k, m in enumerate(members):
                 m.state.x = out.prev_sample[k]
+                m.state.history = (out.x0[k], s_now[index][k])
                 m.state.states.append(host[k])
                 if logprob is not None:
                     m.state.logprobs[m.step] = logprob[k]
