@@ -133,6 +133,9 @@ class DiffusersRolloutEngine:
                 self._wait(scheduler.next_arrival(now))
                 continue
             self._run(batch)
+            if not scheduler.waiting:
+                stats.drain_calls += 1
+                stats.drain_useful_rows += len(batch.rows)
             done = scheduler.finish(batch)
             if done:
                 yield from self._retire(done)

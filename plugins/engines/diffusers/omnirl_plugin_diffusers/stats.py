@@ -16,6 +16,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
 @dataclass
 class RolloutStats:
     """Counters of one ``generate`` call.
@@ -33,6 +37,9 @@ class RolloutStats:
     padding_rows: int = 0
     useful_cost: float = 0.0
     padding_cost: float = 0.0
+    drain_calls: int = 0
+    """Model calls made with no request left waiting (the tail, where buckets empty one by one)."""
+    drain_useful_rows: int = 0
     decode_calls: int = 0
     samples: int = 0
     max_active: int = 0
@@ -64,6 +71,10 @@ class RolloutStats:
             "model_calls": self.model_calls,
             "mean_batch_rows": rows / self.model_calls if self.model_calls else float("nan"),
             "slot_utilisation": self.useful_rows / slots if slots else float("nan"),
+            "slot_utilisation_queued": _ratio(self.useful_rows - self.drain_useful_rows,
+                                              (self.model_calls - self.drain_calls) * self.max_num_seqs),
+            "slot_utilisation_drain": _ratio(self.drain_useful_rows, self.drain_calls * self.max_num_seqs),
+            "drain_calls": self.drain_calls,
             "padding_share": self.padding_cost / cost if cost else 0.0,
             "decode_calls": self.decode_calls,
             "max_active": self.max_active,
