@@ -139,6 +139,17 @@ class QwenImageModel(DenoiserModel):
         images = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
         return ((images.float() + 1) / 2).clamp(0, 1).cpu()
 
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> latents (B, C, H / s, W / s), the inverse layout of ``decode``:
+        the VAE posterior's mean (deterministic), normalised by latents_mean / latents_std, fp32."""
+        vae = self.pipeline.vae
+        x = (images.to(self.device, vae.dtype) * 2 - 1).unsqueeze(2)  # (B, 3, 1, H, W)
+        z = vae.encode(x).latent_dist.mean
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        return ((z - mean) / std)[:, :, 0].float()
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
