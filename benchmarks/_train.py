@@ -1,0 +1,53 @@
+"""Shared by the training-loop benchmarks: a Controller on the tiny Qwen-Image preset, driven one step at
+a time so that two settings can alternate within one run (machine load then hits both alike)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from omnirl_core.controller import Controller
+from omnirl_core.plugins import PluginManager
+from omnirl_core.resolve import resolve_run
+
+RESULTS = Path(__file__).with_name("results")
+PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
+           "omnirl_plugin_torch", "omnirl_plugin_color", "omnirl_plugin_jpeg", "omnirl_plugin_ocr", "omnirl_plugin_http_judge"]
+
+
+def controller(out: Path, overrides: dict[str, Any]) -> Controller:
+    from omnirl_core.config import deep_merge
+
+    manager = PluginManager()
+    manager.load_modules(PLUGINS)
+    base = {"model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
+            "run": {"output_dir": str(out), "device": "cpu", "save_every": 10_000, "sample_every": 10_000}}
+    resolved = resolve_run(manager, [deep_merge(base, overrides)])
+    ctl = Controller(resolved, out)
+    ctl.run_dir.prepare(resolved.dump(), [])
+    return ctl
+
+
+def mean(records: list[dict[str, Any]], key: str) -> float:
+    values = [r[key] for r in records if key in r]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def environment() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

@@ -1,0 +1,150 @@
+"""Async streaming reward vs sync reward, side by side in one run (alternating steps).
+
+    /work/venv/bin/python benchmarks/async_reward.py [--steps 2] [--quick]
+
+(a) ``ocr``: the real OCR reward (RapidOCR on CPU) on the same 2 cores as the rollout.
+(b) ``http-judge``: a judge served over HTTP on this machine, in another process, with a set latency per
+    image. It STANDS FOR A VLM JUDGE ON OTHER HARDWARE: its cost to the trainer is latency, not our CPU.
+    The latency is set from a measured rollout so that the reward phase is about 0.8 x the rollout.
+
+Per mode: step time; rollout R and reward W (sync: the scoring wall time after the rollout); the ideal
+bound of the rollout+reward phase, max(R, W), vs the sum R + W; and the fraction of the ideal saving
+min(R, W) that async achieves: ((R + W)_sync - phase_async) / min(R, W)_sync, with phase = rollout time +
+the reward time left after it. Writes ``benchmarks/results/async_reward.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _train import controller, environment, mean, write
+
+PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a neon sign reading "FLOW"',
+           'a street sign that says "STOP"', 'a book cover titled "RL"', 'a banner that says "HELLO"',
+           'a label that says "TEA"', 'a door sign that says "EXIT"']
+
+
+def workload(prompts: int, reward: list[dict], workers: int) -> dict:
+    return {
+        "rewards": reward, "data": {"prompts": PROMPTS},
+        "rollout": {"prompts_per_step": prompts, "group_size": 4, "num_steps": 6, "height": 32, "width": 32,
+                    # step-wise batching with 4 slots: samples finish in waves and stream out
+                    "options": {"max_num_seqs": 4}},
+        "train": {"minibatches": 1},
+        "run": {"reward_workers": workers, "seed": 3},
+    }
+
+
+def alternate(ctl, steps: int) -> dict:
+    """Warm up one step, then alternate sync / async steps; returns per-mode records."""
+    ctl.setup()
+    ctl.executor.stream.mode = "sync"
+    ctl.train_step(1)
+    records = {"sync": [], "async": []}
+    for i in range(2 * steps):
+        mode = ("sync", "async")[i % 2]
+        ctl.executor.stream.mode = mode
+        records[mode].append(ctl.train_step(2 + i))
+    ctl.executor.close()
+    return records
+
+
+def summary(records: dict) -> dict:
+    out = {}
+    for mode, recs in records.items():
+        r, w = mean(recs, "time/rollout_s"), mean(recs, "time/reward_s")
+        out[mode] = {"step_s": mean(recs, "time/step_s"), "rollout_s": r, "reward_wait_s": w,
+                     "reward_busy_s": mean(recs, "time/reward_busy_s"), "train_s": mean(recs, "time/train_s"),
+                     "rollout_plus_reward_s": r + w, "steps": len(recs)}
+    s, a = out["sync"], out["async"]
+    r, w = s["rollout_s"], s["reward_wait_s"]
+    ideal_saving = min(r, w)
+    achieved = s["rollout_plus_reward_s"] - a["rollout_plus_reward_s"]
+    out["bound"] = {"sum_s": r + w, "ideal_max_s": max(r, w), "ideal_saving_s": ideal_saving,
+                    "achieved_saving_s": achieved,
+                    "fraction_of_ideal_saving": achieved / ideal_saving if ideal_saving > 0 else float("nan"),
+                    "step_speedup": s["step_s"] / a["step_s"]}
+    return out
+
+
+def start_judge(latency: float) -> tuple[subprocess.Popen, str]:
+    from omnirl_core.distributed import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "omnirl_plugin_http_judge.server", "--port", str(port),
+                             "--latency", f"{latency:.4f}"], stdout=subprocess.PIPE, text=True)
+    proc.stdout.readline()  # the server prints its address once it listens
+    return proc, f"http://127.0.0.1:{port}/score"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2, help="steps per mode after one warm-up step")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x 4 samples)")
+    parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts")
+    parser.add_argument("--only", choices=("http_judge", "ocr"), default=None, help="run one scenario")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.prompts = 1, 4
+    tmp = Path(tempfile.mkdtemp(prefix="omnirl-bench-"))
+    result = {"environment": environment(), "samples_per_step": args.prompts * 4}
+
+    workers = 2
+    if args.only != "ocr":
+        run_judge(args, tmp, workers, result)
+    if args.only != "http_judge":
+        run_ocr(args, tmp, workers, result)
+    path = write("async_reward", result)
+    for name in ("http_judge", "ocr"):
+        part = result.get(name)
+        if part is None:
+            continue
+        print(f"{name}: step sync {part['sync']['step_s']:.2f}s async {part['async']['step_s']:.2f}s | "
+              f"R {part['sync']['rollout_s']:.2f}s W {part['sync']['reward_wait_s']:.2f}s | "
+              f"sum {part['bound']['sum_s']:.2f}s ideal {part['bound']['ideal_max_s']:.2f}s async "
+              f"{part['async']['rollout_plus_reward_s']:.2f}s | fraction of ideal saving "
+              f"{part['bound']['fraction_of_ideal_saving']:.2f}")
+    print(f"wrote {path}")
+
+
+def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
+    # the rollout time measured by warm-up steps sets the judge's latency
+    probe = controller(tmp / "probe", workload(args.prompts, [{"name": "jpeg"}], workers))
+    probe.setup()
+    probe.train_step(1)
+    rollout_s = probe.train_step(2)["time/rollout_s"]
+    probe.executor.close()
+    latency = 0.8 * rollout_s * workers / (args.prompts * 4)
+    judge, url = start_judge(latency)
+    try:
+        t0 = time.perf_counter()
+        ctl = controller(tmp / "judge", workload(args.prompts, [{"name": "http-judge", "options": {"url": url}}],
+                                                  workers))
+        result["http_judge"] = {
+            "note": "The judge is a stand-in served over HTTP on this machine in another process, with a set "
+                    "latency per image: it stands for a VLM judge on other hardware (its cost is latency).",
+            "latency_per_image_s": latency, "reward_workers": workers, **summary(alternate(ctl, args.steps)),
+            "wall_s": time.perf_counter() - t0,
+        }
+    finally:
+        judge.terminate()
+        judge.wait()
+
+
+def run_ocr(args, tmp: Path, workers: int, result: dict) -> None:
+    t0 = time.perf_counter()
+    ctl = controller(tmp / "ocr", workload(args.prompts, [{"name": "ocr"}], workers))
+    result["ocr"] = {
+        "note": "Real OCR (RapidOCR, onnxruntime, 1 thread per call) on the same 2 CPU cores as the rollout: "
+                "the overlap can only use what the rollout leaves idle.",
+        "reward_workers": workers, **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
+    }
+
+
+if __name__ == "__main__":
+    main()
