@@ -64,3 +64,24 @@ class MetricMean:
         out = {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
         out.update(self.maxes)
         return out
+
+
+def prepare_all(algorithm: Any, model: Any, units: list[Any], micro_batch_size: int, metrics: MetricMean) -> None:
+    """``algorithm.prepare`` over every unit, without grad (old log-probs, reference outputs)."""
+    import torch
+
+    with torch.no_grad():
+        for micro in chunks(units, micro_batch_size):
+            metrics.add(algorithm.prepare(model, micro), len(micro))
+
+
+def minibatches(units: list[Any], count: int, step: int, shuffle: bool) -> list[list[Any]]:
+    """Units shuffled (seeded by step, so every rank and every engine agrees) and split into ``count``."""
+    import torch
+
+    order = list(range(len(units)))
+    if shuffle:
+        order = torch.randperm(len(units), generator=torch.Generator().manual_seed(step)).tolist()
+    ordered = [units[i] for i in order]
+    size = -(-len(units) // min(count, len(units)))
+    return chunks(ordered, size)

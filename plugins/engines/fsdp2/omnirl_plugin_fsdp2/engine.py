@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
 from omnirl_core.distributed import default_backend, ensure_process_group
-from omnirl_core.training import MetricMean, chunks, split_even
+from omnirl_core.training import MetricMean, minibatches, prepare_all, split_even
 
 SHARD_DIR = "shards"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -96,17 +96,9 @@ class FSDP2TrainEngine:
     def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
         metrics = MetricMean()
         mbs = self.train.micro_batch_size
-        with torch.no_grad():
-            for micro in chunks(units, mbs):
-                metrics.add(algorithm.prepare(self.model, micro), len(micro))
-        order = list(range(len(units)))
-        if self.options.shuffle:
-            order = torch.randperm(len(units), generator=torch.Generator().manual_seed(step)).tolist()
-        ordered = [units[i] for i in order]
-        n_mb = min(self.train.minibatches, len(units))
-        size = -(-len(units) // n_mb)
+        prepare_all(algorithm, self.model, units, mbs, metrics)
         params = [p for _, p in self.named_params]
-        for index, minibatch in enumerate(chunks(ordered, size)):
+        for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
             mine = minibatch[self.rank::self.world_size]
             # every rank runs as many micro-batches as the busiest one: FSDP's collectives must pair up
