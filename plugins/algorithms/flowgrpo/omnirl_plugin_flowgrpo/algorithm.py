@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.errors import ConfigError
 from omnirl_core.interfaces import RolloutPlan
 from omnirl_core.policy_gradient import FlowPolicyGradient
 
@@ -40,10 +41,13 @@ class FlowGRPO(FlowPolicyGradient):
             trained = tuple(range(max(self.num_steps - 1, 1)))
         else:
             if o.window_start + o.window > self.num_steps:
-                raise ValueError(
-                    f"window {o.window_start}..{o.window_start + o.window - 1} exceeds {self.num_steps} steps"
-                )
+                raise ConfigError(
+                    f"FlowGRPO window {o.window_start}..{o.window_start + o.window - 1} exceeds {self.num_steps} "
+                    "steps.", hint="Lower algorithm.options.window / window_start, or raise rollout.num_steps.")
             trained = tuple(range(o.window_start, o.window_start + o.window))
+        if o.sampler == "cps" and self.num_steps - 1 in trained:
+            raise ConfigError("CPS adds no noise on the step to sigma 0: it cannot be trained.",
+                              hint="End the window before the last step (window_start + window < num_steps).")
         kinds = tuple(o.sampler if i in trained else "ode" for i in range(self.num_steps))
         self._plan = RolloutPlan(step_kinds=kinds, train_steps=trained, eta=o.noise_level)
 
