@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.data import PromptSampler, load_prompts
+from omnirl_core.data import PromptSampler, load_records
 from omnirl_core.errors import ConfigError
 from omnirl_core.executors import make_executor
 from omnirl_core.interfaces import GenRequest, Sample
@@ -49,18 +49,19 @@ class Controller:
         self.on_step = on_step
         self.algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), self.cfg)
         self.executor = make_executor(resolved)
-        self.prompts = PromptSampler(self._prompts(), self.cfg.run.seed)
+        self.records = self._records()
+        self.prompts = PromptSampler([r["prompt"] for r in self.records], self.cfg.run.seed)
         self.start_step = 1
 
-    def _prompts(self) -> list[str]:
+    def _records(self) -> list[dict[str, Any]]:
         source = self.cfg.data.prompts
         if source is None:
             for spec in self.resolved.rewards:
                 if spec.default_prompts is not None:
-                    return list(load_object(spec.default_prompts))
+                    return load_records(list(load_object(spec.default_prompts)))
             raise ConfigError("No prompts: set data.prompts (a .txt/.jsonl file or a list).",
                               hint="Example: --set data.prompts=prompts.txt")
-        return load_prompts(source)
+        return load_records(source)
 
     def requests(self, step: int) -> list[GenRequest]:
         cfg = self.cfg
@@ -76,6 +77,7 @@ class Controller:
                     height=cfg.rollout.height, width=cfg.rollout.width, num_frames=cfg.rollout.num_frames,
                     guidance_scale=cfg.rollout.guidance_scale, plan=plan,
                     noise_seed=group_noise if plan.shared_initial_noise else seed,
+                    inputs={k: v for k, v in self.records[pidx].items() if k != "prompt"},
                 ))
         return out
 
@@ -124,7 +126,7 @@ class Controller:
         last = step == cfg.run.steps
         if step % cfg.run.sample_every == 0 or step == 1 or last:
             self.run_dir.save_grid(step, [s.output for s in samples], [s.prompt for s in samples],
-                                   columns=cfg.rollout.group_size)
+                                   columns=cfg.rollout.group_size, rewards=[s.reward for s in samples])
         return record
 
     def run(self) -> dict[str, Any]:

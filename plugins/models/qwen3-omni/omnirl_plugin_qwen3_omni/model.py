@@ -1,0 +1,210 @@
+"""The Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration``) behind the omnirl
+AR contract (``omnirl_core.ar.CausalLMPolicy``): prompts with images and audio, LoRA on the text decoder.
+
+Released checkpoints (``Qwen/Qwen3-Omni-30B-A3B-Instruct`` / ``-Thinking`` / ``-Captioner``) hold the whole omni
+model (thinker + talker + code2wav); only the thinker is loaded and trained. Text output only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnirl_core.ar import CausalLMPolicy, TokenPrompt
+from omnirl_core.config import ModelSection
+from omnirl_core.errors import UsageError
+from omnirl_core.interfaces import GenRequest
+from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_plugin_qwen3_omni.media import MediaEncoder, collate_media
+
+DEFAULT_HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+
+
+class Qwen3OmniOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    system_prompt: str | None = Field(None, description="A system message put before every prompt (None: none).")
+    attn_implementation: str = Field("sdpa", description="transformers attention backend: 'sdpa', 'eager', "
+                                     "'flash_attention_2' (GPU, needs flash-attn).")
+    tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
+
+
+class Qwen3OmniThinker(CausalLMPolicy):
+    capabilities = frozenset({"ar-text", "text", "lora", "image-input", "audio-input"})
+    # the text decoder's attention (the experts are fused 3-D parameters, not linear modules)
+    default_lora_targets = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+
+    def __init__(self, module: Any, tokenizer: Any, media: MediaEncoder, options: Qwen3OmniOptions,
+                 device: torch.device, dtype: torch.dtype):
+        super().__init__(module, tokenizer, device, dtype)
+        self.media = media
+        self.options = options
+        config = module.config
+        self.image_token_id = int(config.image_token_id)
+        self.audio_token_id = int(config.audio_token_id)
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        return [self.module.model.audio_tower, self.module.model.visual]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End of turn, and end of text (which released checkpoints also stop on)."""
+        ids = self.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None and i != self.tokenizer.unk_token_id))
+
+    # -- prompts -------------------------------------------------------------------------------
+    @staticmethod
+    def _paths(value: Any) -> list[Any]:
+        if value is None:
+            return []
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def encode_prompt(self, request: GenRequest) -> TokenPrompt:
+        """Chat template over [images, audio clips, text]; each media placeholder repeated once per encoder
+        output, as the released processor does."""
+        if request.inputs.get("video") is not None:
+            raise UsageError("Video prompts are not supported by the qwen3-omni plugin (its video processor needs "
+                             "torchvision).", hint="Give images ('image') or audio ('audio') in the record.")
+        images = self._paths(request.inputs.get("image"))
+        audio = self._paths(request.inputs.get("audio"))
+        content = ([{"type": "image", "image": str(p)} for p in images]
+                   + [{"type": "audio", "audio": str(p)} for p in audio]
+                   + [{"type": "text", "text": request.prompt}])
+        messages = [{"role": "user", "content": content}]
+        if self.options.system_prompt:
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.options.system_prompt}]})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        media: dict[str, torch.Tensor] = {}
+        counts = {self.image_token_id: [], self.audio_token_id: []}
+        if images:
+            features, counts[self.image_token_id] = self.media.images(images)
+            media.update(features)
+        if audio:
+            features, counts[self.audio_token_id] = self.media.audio(audio)
+            media.update(features)
+        return TokenPrompt(torch.tensor(self._expand(ids, counts), dtype=torch.long), media)
+
+    def _expand(self, ids: list[int], counts: dict[int, list[int]]) -> list[int]:
+        out: list[int] = []
+        pending = {token: list(n) for token, n in counts.items()}
+        for token in ids:
+            if token in pending:
+                if not pending[token]:
+                    raise UsageError("The chat template wrote more media placeholders than the record has media.")
+                out += [token] * pending[token].pop(0)
+            else:
+                out.append(token)
+        if any(pending.values()):
+            raise UsageError("The chat template wrote fewer media placeholders than the record has media; does "
+                             "it render 'image' / 'audio' content items?")
+        return out
+
+    def media_inputs(self, media):
+        return collate_media(list(media))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tiny_directory(seed: int) -> Path:
+    from omnirl_plugin_qwen3_omni.tiny import TINY_VERSION, save_tiny
+
+    target = cache_dir() / "presets" / f"qwen3-omni-tiny-v{TINY_VERSION}-seed{seed}"
+    return atomic_directory(target, lambda tmp: save_tiny(tmp, seed=seed))
+
+
+def _unreachable(path: str, exc: Exception) -> UsageError:
+    return UsageError(
+        f"Could not load Qwen3-Omni from '{path}': it is not a local directory and the hub is unreachable or "
+        "does not have it.",
+        details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
+        hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
+    )
+
+
+def _optional(loader: Any, source: str) -> Any:
+    """A sub-processor, or None when the checkpoint has none (then prompts of that kind are refused)."""
+    try:
+        return loader.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
+def _processor_chat_template(source: str) -> str | None:
+    """The chat template a checkpoint ships for its processor (chat_template.jinja / .json), if any."""
+    import json
+
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        try:
+            file = cached_file(source, name, _raise_exceptions_for_missing_entries=False)
+        except OSError:
+            file = None
+        if file:
+            text = Path(file).read_text()
+            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return None
+
+
+def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any, MediaEncoder]:
+    """(thinker, tokenizer, media encoder) from a local directory or a hub id: a full omni checkpoint
+    (``qwen3_omni_moe``, the thinker is taken out, the talker never built) or a thinker-only one."""
+    from transformers import (
+        AutoConfig,
+        AutoFeatureExtractor,
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen3OmniMoeForConditionalGeneration,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    local = Path(path).expanduser()
+    looks_local = local.exists() or path.startswith((".", "/", "~"))
+    if looks_local and not (local / "config.json").is_file():
+        raise UsageError(f"'{path}' is not a transformers checkpoint directory (no config.json).",
+                         hint="Point model.path at a Qwen3-Omni checkpoint directory, or use --preset tiny.")
+    source = str(local) if looks_local else path
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise _unreachable(path, exc) from exc
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if config.model_type == "qwen3_omni_moe":
+        thinker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            source, enable_audio_output=False, **kwargs).thinker
+    elif config.model_type == "qwen3_omni_moe_thinker":
+        thinker = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(source, **kwargs)
+    else:
+        raise UsageError(f"'{path}' holds a '{config.model_type}' model, not Qwen3-Omni.",
+                         hint="Use a Qwen3-Omni checkpoint (model_type qwen3_omni_moe or qwen3_omni_moe_thinker).")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = _processor_chat_template(source)
+    if tokenizer.chat_template is None:
+        raise UsageError(f"'{path}' has no chat template (tokenizer or processor).",
+                         hint="Add chat_template.jinja (or tokenizer_config.json's chat_template) to the checkpoint.")
+    thinker_config = thinker.config
+    media = MediaEncoder(
+        _optional(AutoImageProcessor, source), _optional(AutoFeatureExtractor, source),
+        merge_size=thinker_config.vision_config.spatial_merge_size, n_window=thinker_config.audio_config.n_window,
+    )
+    return thinker, tokenizer, media
+
+
+def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device: Any) -> Qwen3OmniThinker:
+    options = options or Qwen3OmniOptions()
+    dtype = _DTYPES[section.dtype]
+    if section.preset == "tiny":
+        path = str(_tiny_directory(options.tiny_seed)) if section.path is None else section.path
+    elif section.preset is not None:
+        raise UsageError(f"Unknown preset '{section.preset}' for qwen3-omni.", hint="Available presets: tiny.")
+    else:
+        path = section.path or DEFAULT_HUB_ID
+    thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
+    return Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)

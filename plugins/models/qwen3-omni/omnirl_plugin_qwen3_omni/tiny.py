@@ -1,0 +1,111 @@
+"""The ``tiny`` preset: the Qwen3-Omni thinker architecture (MoE text decoder, vision and audio encoders) with
+random weights and the real Qwen tokenizer (Qwen3-Omni's special tokens at their released ids), built locally
+in seconds and saved in the transformers layout, so that it loads back through ``from_pretrained`` like a
+released checkpoint (config.json + safetensors, tokenizer with its chat template, preprocessor_config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_VERSION = 2  # bump when the tiny architecture changes (invalidates the on-disk cache)
+
+# Qwen3 / Qwen3-Omni special tokens after the Qwen2 ones, in id order from 151657 (<|audio_pad|> = 151675)
+QWEN3_OMNI_EXTRA_SPECIALS = [
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
+    "<|audio_pad|>",
+]
+VOCAB_SIZE = 152064  # the released thinker's embedding rows (the tokenizer has 151676 tokens)
+
+# Qwen-style chat markup; media items render as their start / pad / end tokens, and the pad token is then
+# repeated once per encoder output by the model plugin
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def tiny_tokenizer() -> Any:
+    from omnirl_core.tiny import qwen2_tokenizer
+
+    tok = qwen2_tokenizer(extra_specials=QWEN3_OMNI_EXTRA_SPECIALS, name="qwen3-omni")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny(seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """(thinker, tokenizer, image processor, feature extractor): text decoder hidden 32, 2 layers, 8 experts
+    top-2; vision encoder depth 2, patch 16; audio encoder 2 layers, 20 mel bins."""
+    from transformers import (
+        Qwen2VLImageProcessorPil,
+        Qwen3OmniMoeThinkerConfig,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    tok = tiny_tokenizer()
+    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start"], tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|audio_pad|>",
+         "<|audio_start|>"])))
+    config = Qwen3OmniMoeThinkerConfig(
+        text_config={
+            "vocab_size": VOCAB_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "moe_intermediate_size": 32,
+            "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+            "pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "bos_token_id": ids["pad"],
+            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "interleaved": True,
+                                "rope_theta": 1_000_000.0},
+        },
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 16,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1]},
+        audio_config={"num_mel_bins": 20, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
+                      "d_model": 32, "output_dim": 32, "n_window": 50, "n_window_infer": 100, "conv_chunksize": 500,
+                      "downsample_hidden_size": 16, "max_source_positions": 1500},
+        audio_token_id=ids["audio"], audio_start_token_id=ids["audio_start"], image_token_id=ids["image"],
+        video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
+    )
+    torch.manual_seed(seed)
+    thinker = Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
+    _widen_output_head(thinker)
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                               size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+    feature_extractor = WhisperFeatureExtractor(feature_size=20, sampling_rate=16_000)
+    return thinker, tok, image_processor, feature_extractor
+
+
+def _widen_output_head(thinker: Any, std: float = 0.3) -> None:
+    """The released init (std 0.02) over a 32-wide, RMS-normalised hidden state bounds every logit to about
+    +-0.6: no policy could become confident, whatever an adapter learns. Rescale the output head (still random
+    weights, another init scale) so that logits spread over a few units, as a trained head's do."""
+    with torch.no_grad():
+        head = thinker.lm_head.weight
+        head.mul_(std / head.std())
+
+
+def save_tiny(directory: str | Path, seed: int = 0) -> Path:
+    """Build the tiny preset and save it in the released checkpoints' layout."""
+    directory = Path(directory)
+    thinker, tok, image_processor, feature_extractor = build_tiny(seed)
+    thinker.save_pretrained(str(directory), safe_serialization=True)
+    tok.save_pretrained(str(directory))
+    # one preprocessor_config.json for both, as released Qwen omni checkpoints ship it
+    merged = {**feature_extractor.to_dict(), **image_processor.to_dict()}
+    merged.pop("mel_filters", None)  # derived from the other fields
+    merged["image_processor_type"] = "Qwen2VLImageProcessor"
+    (directory / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    return directory

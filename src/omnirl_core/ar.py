@@ -1,0 +1,324 @@
+"""The token-level contract of autoregressive (AR / omni) models, shared by AR model plugins, the rollout
+engines that sample from them and the token algorithms (GSPO, GRPO).
+
+One function, ``sampling_logprobs``, defines the distribution a token is drawn from (allowed-token mask,
+temperature, top-k, top-p, in that order, in fp32). The rollout engine samples from it and records the
+log-prob of each sampled token; the trainer re-scores the same tokens through it (``token_logprobs``). With
+the same weights both give the same numbers up to float error, whatever processors were used.
+
+A model plugin subclasses ``CausalLMPolicy`` and writes only what is model-specific: turning a request into a
+``TokenPrompt`` (chat template, media features) and batching media features (``media_inputs``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnirl_core.config import LoraConfig
+from omnirl_core.interfaces import GenRequest
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+FULL_WEIGHTS_DIR = "model"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The distribution completions are sampled from; stored with every sample so the trainer re-scores
+    exactly that distribution."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    """Keep the k most likely tokens (0: off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p (1.0: off)."""
+    max_new_tokens: int = 256
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Sample only among these tokens (guided choice); None: the whole vocabulary."""
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding has no log-probs "
+                             "to train on)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs (fp32, last dim = vocabulary) of the distribution tokens are sampled from.
+
+    Masked tokens get -inf. The masks are functions of the logits, so the trainer recomputes them under the
+    current weights: the re-scored distribution is the one the current policy would sample.
+    """
+    x = logits.float()
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+        allowed[list(params.allowed_token_ids)] = True
+        x = x.masked_fill(~allowed, float("-inf"))
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x.detach(), params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x.detach() < kth, float("-inf"))
+    if params.top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(x.detach(), dim=-1), dim=-1, descending=True)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+        drop_sorted = mass_before >= params.top_p  # the most likely token is always kept (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample_tokens(logprobs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``logprobs`` (B, V), row b drawn with its own generator: a request's tokens do
+    not depend on which other requests share its batch."""
+    # inverse CDF in float64: one uniform per row (multinomial over a 150k vocabulary is ~100x slower on CPU);
+    # a masked token has a zero-width interval and is never drawn
+    cdf = torch.cumsum(logprobs.detach().double().exp(), dim=-1).cpu()
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]) * cdf[:, -1]
+    picks = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+    return picks.to(logprobs.device)
+
+
+@dataclass
+class TokenPrompt:
+    """A prompt ready for the model: token ids (media placeholders expanded) and the media features."""
+
+    input_ids: torch.Tensor  # (P,) long
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Model-specific features of this prompt's images / audio (e.g. pixel_values, input_features)."""
+
+
+def pad_sequences(seqs: Sequence[torch.Tensor], value: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids padded on ``side`` ('left' for generation, 'right' for scoring) and the attention mask."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        span = slice(length - len(s), length) if side == "left" else slice(0, len(s))
+        ids[i, span] = s
+        mask[i, span] = 1
+    return ids, mask
+
+
+def completion_tokens(sample: Any) -> torch.Tensor:
+    """The sampled completion of an AR sample (stop token included), as the rollout engine stored it."""
+    return sample.extras["completion"]
+
+
+class CausalLMPolicy:
+    """Base class of AR model plugins around a transformers causal LM (``self.module``, with ``generate``).
+
+    Subclasses set ``capabilities`` and ``default_lora_targets`` (a regex over module names) and implement
+    ``encode_prompt`` and ``media_inputs``.
+    """
+
+    capabilities: frozenset[str] = frozenset({"ar-text", "text", "lora"})
+    default_lora_targets: str = r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+
+    def __init__(self, module: torch.nn.Module, tokenizer: Any, device: torch.device, dtype: torch.dtype):
+        self.module = module
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.lora: LoraConfig | None = None
+        self._reference_copy: torch.nn.Module | None = None
+        self._peft_config: Any = None
+
+    # -- model-specific ------------------------------------------------------------------------
+    def encode_prompt(self, request: GenRequest) -> TokenPrompt:
+        """Token ids of the request's prompt (chat template, generation prompt) with its media features."""
+        raise NotImplementedError
+
+    def media_inputs(self, media: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Model keyword arguments for the media of a batch of rows (row order kept)."""
+        raise NotImplementedError
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Modules never trained, even in full fine-tuning (e.g. the vision and audio encoders)."""
+        return []
+
+    # -- tokens --------------------------------------------------------------------------------
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (int(self.tokenizer.eos_token_id),)
+
+    def token_id(self, text: str) -> int:
+        """The id of a token given as text; it must be exactly one token."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{text!r} is {len(ids)} tokens ({ids}), not one; give single tokens")
+        return int(ids[0])
+
+    def decode(self, ids: torch.Tensor) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    def model_inputs(self, seqs: Sequence[torch.Tensor], media: Sequence[dict[str, torch.Tensor]],
+                     side: str) -> dict[str, torch.Tensor]:
+        ids, mask = pad_sequences(seqs, self.pad_token_id, side)
+        inputs = {"input_ids": ids, "attention_mask": mask, **self.media_inputs(media)}
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+    # -- scoring -------------------------------------------------------------------------------
+    def hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Last hidden states (B, L, H) of the decoder; logits are then taken only where they are needed."""
+        return self.module.base_model(**inputs, use_cache=False)[0]
+
+    def token_logprobs(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
+                       params: Sequence[SamplingParams]) -> list[torch.Tensor]:
+        """Log-probs of the given completion tokens under the current weights and each row's sampling
+        distribution (with grad when grad is enabled); one (T_i,) fp32 tensor per row."""
+        seqs = [torch.cat([p.input_ids, c.to(p.input_ids.device)]) for p, c in zip(prompts, completions)]
+        hidden = self.hidden_states(self.model_inputs(seqs, [p.media for p in prompts], side="right"))
+        rows, cols, row_params = [], [], []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            start = len(p.input_ids) - 1  # the state before token t predicts token t
+            rows += [i] * len(c)
+            cols += list(range(start, start + len(c)))
+            row_params += [params[i]] * len(c)
+        h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]
+        logits = self.module.get_output_embeddings()(h)
+        tokens = torch.cat([c for c in completions]).to(logits.device)
+        out = torch.empty(len(tokens), dtype=torch.float32, device=logits.device)
+        for sp in dict.fromkeys(row_params):  # one pass per distinct sampling distribution (usually one)
+            idx = torch.tensor([j for j, q in enumerate(row_params) if q == sp], device=logits.device)
+            logp = sampling_logprobs(logits.index_select(0, idx), sp)
+            out = out.index_put((idx,), logp.gather(-1, tokens[idx][:, None])[:, 0])
+        return list(out.split([len(c) for c in completions]))
+
+    # -- training setup ------------------------------------------------------------------------
+    def lora_target_names(self, patterns: Sequence[str] | None) -> list[str]:
+        """Full names of the linear modules to adapt: ``patterns`` (regexes matched against the whole module
+        name, or plain suffixes) or the plugin's default. Explicit names keep peft from widening a regex
+        (its MoE conversion turns one into bare suffixes, which would also hit the audio/vision towers)."""
+        regexes = [re.compile(p) for p in (patterns or [self.default_lora_targets])]
+        names = []
+        for name, module in self.module.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if any(r.fullmatch(name) or name.endswith("." + r.pattern) for r in regexes):
+                names.append(name)
+        if not names:
+            raise ValueError(f"no linear module matches the LoRA targets {patterns or [self.default_lora_targets]}")
+        return names
+
+    def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
+        """Freeze everything, then make trainable a fresh LoRA adapter or the whole model (minus
+        ``frozen_modules``)."""
+        self.module.requires_grad_(False)
+        if lora.enabled:
+            from peft import LoraConfig as PeftLoraConfig
+            from peft import inject_adapter_in_model
+
+            self._peft_config = PeftLoraConfig(
+                r=lora.rank, lora_alpha=lora.alpha, target_modules=self.lora_target_names(lora.target_modules),
+                init_lora_weights=True,
+            )
+            inject_adapter_in_model(self._peft_config, self.module, adapter_name="default")
+            self.lora = lora
+        else:
+            self.module.requires_grad_(True)
+            for module in self.frozen_modules():
+                module.requires_grad_(False)
+            if need_reference:
+                self._reference_copy = copy.deepcopy(self.module).requires_grad_(False).eval()
+        # eval mode: no dropout, so that rollout, recompute and update see one deterministic policy
+        self.module.eval()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _adapter_layers(self) -> list[Any]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return [m for m in self.module.modules() if isinstance(m, BaseTunerLayer)]
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen reference policy: the base model (LoRA disabled, or a copy made before training)."""
+        if self.lora is not None:
+            layers = self._adapter_layers()
+            for layer in layers:
+                layer.enable_adapters(False)
+            try:
+                yield
+            finally:
+                for layer in layers:
+                    layer.enable_adapters(True)
+        elif self._reference_copy is not None:
+            trained, self.module = self.module, self._reference_copy
+            try:
+                yield
+            finally:
+                self.module = trained
+        else:
+            raise RuntimeError("no reference policy: call setup_training(need_reference=True) first")
+
+    # -- weights -------------------------------------------------------------------------------
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights: the LoRA state (peft names) or the full model state."""
+        if self.lora is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.module, adapter_name="default")
+        else:
+            state = self.module.state_dict()
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora is not None:
+            from peft.utils import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.module, state, adapter_name="default")
+            unexpected = getattr(result, "unexpected_keys", None)
+            if unexpected:
+                raise ValueError(f"LoRA state has unexpected keys: {unexpected[:5]}")
+        else:
+            self.module.load_state_dict(state)
+
+    def save_trained(self, directory: Path) -> list[str]:
+        """LoRA: the peft adapter layout (``adapter_model.safetensors`` + ``adapter_config.json``), which
+        ``PeftModel.from_pretrained(base, directory)`` reads. Full: ``model/`` via ``save_pretrained``."""
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:
+            save_file(self.trained_state_dict(), str(directory / ADAPTER_WEIGHTS))
+            config = self._peft_config.to_dict()
+            config["base_model_name_or_path"] = getattr(self.module, "name_or_path", None)
+            (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=sorted))
+            return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
+        self.module.save_pretrained(str(directory / FULL_WEIGHTS_DIR), safe_serialization=True)
+        return [f"{FULL_WEIGHTS_DIR}/"]
+
+    def load_trained(self, directory: Path) -> None:
+        """Load what ``save_trained`` wrote (resume)."""
+        from safetensors.torch import load_file
+
+        if self.lora is not None:
+            self.load_trained_state_dict(load_file(str(directory / ADAPTER_WEIGHTS)))
+            return
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted((directory / FULL_WEIGHTS_DIR).glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if k in dict(self.module.named_parameters())]:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}")

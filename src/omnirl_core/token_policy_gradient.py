@@ -1,0 +1,134 @@
+"""The policy-gradient machinery token-level algorithms share (GSPO, GRPO) over the AR contract
+(``omnirl_core.ar``). An algorithm plugin subclasses ``TokenPolicyGradient`` and writes only its objective
+(``surrogate``). Nothing here names a model.
+
+One training unit is one sampled sequence. Log-probs are padded to (N, T) with a mask of real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnirl_core.advantage import group_advantages
+from omnirl_core.ar import completion_tokens
+from omnirl_core.config import RunConfig
+from omnirl_core.interfaces import RolloutPlan, Sample
+
+AR_PLAN = RolloutPlan(step_kinds=(), train_steps=())
+"""AR rollouts have no denoising steps: the rollout engine's sampling options define the distribution."""
+
+
+@dataclass
+class SequenceUnit:
+    """One sampled completion and the log-probs the update compares it with."""
+
+    sample: Sample
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def rollout_logprobs(self) -> torch.Tensor:
+        return self.sample.logprobs
+
+
+def padded(rows: list[torch.Tensor], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths -> (N, T) fp32 values (0 where padded) and the (N, T) mask of real tokens."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    values = pad_sequence([r.to(device).float() for r in rows], batch_first=True)
+    mask = pad_sequence([torch.ones(len(r), device=device) for r in rows], batch_first=True)
+    return values, mask
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each row's real tokens: (N, T) -> (N,)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+
+def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Trainer vs rollout log-probs per token: |delta| mean / max and the k3 estimate of KL(rollout || train)."""
+    delta = (logp.detach() - rollout)[mask.bool()].double()
+    return {
+        "logprob/abs_delta_mean": float(delta.abs().mean()),
+        "logprob/abs_delta_max": float(delta.abs().max()),
+        "is/kl_k3": float((torch.exp(delta) - 1 - delta).mean()),
+    }
+
+
+class TokenPolicyGradient:
+    """Group-normalised advantages, old log-probs (recomputed or the rollout's), optional KL to the
+    reference. Subclasses read ``adv_clip``, ``global_std`` and ``beta`` from their own config class."""
+
+    def __init__(self, options: Any, config: RunConfig):
+        self.options = options
+        self.config = config
+        self.uses_reference = getattr(options, "beta", 0.0) > 0
+
+    def plan(self, step: int) -> RolloutPlan:
+        return AR_PLAN
+
+    def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
+        rewards = torch.tensor([s.reward for s in samples])
+        groups = torch.tensor([s.request.group for s in samples])
+        adv = group_advantages(rewards, groups, global_std=self.options.global_std, clip=self.options.adv_clip)
+        for sample, a in zip(samples, adv.tolist()):
+            sample.advantage = a
+        lengths = torch.tensor([float(len(s.logprobs)) for s in samples])
+        return {"advantage/abs_mean": float(adv.abs().mean()), "response_length/mean": float(lengths.mean())}
+
+    def training_units(self, samples: list[Sample]) -> list[SequenceUnit]:
+        return [SequenceUnit(s) for s in samples]
+
+    @property
+    def recompute(self) -> bool:
+        return self.config.train.old_logprob == "recompute"
+
+    def _logprobs(self, model: Any, units: list[SequenceUnit]) -> list[torch.Tensor]:
+        samples = [u.sample for u in units]
+        return model.token_logprobs([s.extras["prompt"] for s in samples], [completion_tokens(s) for s in samples],
+                                    [s.extras["sampling"] for s in samples])
+
+    def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
+        """Without grad, before the update: old log-probs (recompute mode) and the reference's."""
+        metrics: dict[str, float] = {}
+        if self.recompute:
+            old = self._logprobs(model, units)
+            for u, lp in zip(units, old):
+                u.old_logprobs = lp.detach()
+            logp, mask = padded(old, model.device)
+            rollout, _ = padded([u.rollout_logprobs for u in units], model.device)
+            metrics.update(mismatch_metrics(logp, rollout, mask))
+        if self.uses_reference:
+            with model.reference():
+                for u, lp in zip(units, self._logprobs(model, units)):
+                    u.ref_logprobs = lp.detach()
+        return metrics
+
+    def surrogate(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                  adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-sequence policy loss (N,) and metrics, from (N, T) log-probs and the (N,) advantages."""
+        raise NotImplementedError
+
+    def loss(self, model: Any, units: list[SequenceUnit], first_update: bool = False):
+        device = model.device
+        logp, mask = padded(self._logprobs(model, units), device)
+        rollout, _ = padded([u.rollout_logprobs for u in units], device)
+        old = padded([u.old_logprobs for u in units], device)[0] if self.recompute else rollout
+        adv = torch.tensor([u.sample.advantage for u in units], device=device)
+        per_seq, metrics = self.surrogate(logp, old, mask, adv)
+        policy_loss = per_seq.mean()
+        metrics["policy_loss"] = float(policy_loss.detach())
+        loss = policy_loss
+        if self.uses_reference:
+            # k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1
+            ref, _ = padded([u.ref_logprobs for u in units], device)
+            diff = ref - logp
+            kl = masked_mean(torch.exp(diff) - diff - 1.0, mask).mean()
+            loss = loss + self.options.beta * kl
+            metrics["kl"] = float(kl.detach())
+        if first_update and not self.recompute:
+            metrics.update(mismatch_metrics(logp, rollout, mask))
+        return loss, metrics
