@@ -19,9 +19,10 @@ def omnirl_register_algorithms(register):
             needs_reference=True,
             needs_pairs=True,
             preset_defaults={
-                # random-weight tiny models: errors are large and pairs few (4 groups), so a smaller beta,
-                # more pairs and draws per group
-                "tiny": {"algorithm": {"options": {"beta": 100.0, "pairs_per_group": 2, "noise_draws": 2}}},
+                # random-weight tiny models: only 4 pairs a step, so several (eps, s) draws each, and only
+                # high noise levels, where the error depends on what the prompt asks for (measured: +7.6
+                # standard errors of reward in 120 steps, against +1 with s over the whole range)
+                "tiny": {"algorithm": {"options": {"beta": 100.0, "sigma_min": 0.5, "noise_draws": 4}}},
             },
         )
     )

@@ -115,6 +115,10 @@ class DiffusionNFT:
         self.uses_reference = o.kl_weight > 0
         if o.sigma_min >= o.sigma_max:
             raise ConfigError(f"NFT sigma_min {o.sigma_min} must be below sigma_max {o.sigma_max}.")
+        if config.run.executor == "ray" and config.run.placement == "split":
+            raise ConfigError("DiffusionNFT samples with its EMA policy, which lives beside the trained weights: "
+                              "a separate rollout worker would sample with the trained weights instead.",
+                              hint="Use run.placement=colocated (or the inline executor).")
         self.sampler_policy: ShadowParameters | None = None
         self.updates = 0  # optimizer updates folded into the sampler policy
         self._rollouts = 0  # rollouts in this process: each one after the first follows an update

@@ -17,7 +17,7 @@ from omnirl_plugin_nft.algorithm import DiffusionNFT, NFTConfig, nft_loss, optim
 
 from omnirl_core.config import RunConfig
 from omnirl_core.ema import ShadowParameters
-from omnirl_core.errors import UsageError
+from omnirl_core.errors import ConfigError, UsageError
 
 
 def _config() -> RunConfig:
@@ -124,6 +124,12 @@ def test_ema_schedule_and_the_rollout_policy_hook():
     assert algo.state() == {"updates": 5}  # saved after the fifth update
     with pytest.raises(UsageError, match="colocated"), algo.rollout_policy(None):
         pass
+
+
+def test_a_separate_rollout_worker_is_refused():
+    split = RunConfig.model_validate({"run": {"executor": "ray", "placement": "split"}})
+    with pytest.raises(ConfigError, match="separate rollout worker"):
+        DiffusionNFT(None, split)
 
 
 def test_rollout_is_deterministic_ode_without_training_steps():
