@@ -104,8 +104,9 @@ class RunDir:
     # -- images --------------------------------------------------------------------------------
     def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int,
                   rewards: list[float] | None = None) -> Path:
-        """A PNG grid of images / video frame strips; text outputs go to a JSONL file instead."""
-        from omnirl_core.visual import image_grid
+        """A PNG grid of images / video frame strips (videos also as an animated GIF grid beside it); text
+        outputs go to a JSONL file instead."""
+        from omnirl_core.visual import image_grid, is_video, video_grid_gif
 
         if images and all(isinstance(x, str) for x in images):
             path = self.samples / f"step-{step:06d}.jsonl"
@@ -116,6 +117,8 @@ class RunDir:
             return path
         path = self.samples / f"step-{step:06d}.png"
         image_grid(images, prompts, columns).save(path)
+        if images and all(is_video(x) for x in images):
+            video_grid_gif(images, prompts, columns, path.with_suffix(".gif"))
         return path
 
     def plot_rewards(self) -> Path | None:

@@ -36,6 +36,19 @@ def image_grid(images: list[Any], prompts: list[str], columns: int) -> Image.Ima
     return grid
 
 
+def is_video(output: Any) -> bool:
+    """A decoded video is (3, F, H, W); an image is (3, H, W)."""
+    return len(getattr(output, "shape", ())) == 4
+
+
+def video_grid_gif(videos: list[Any], prompts: list[str], columns: int, path: Any, fps: float = 8.0) -> None:
+    """An animated GIF of the sample grid: frame f shows every video's f-th frame in its cell (a shorter
+    video holds its last frame)."""
+    frames = max(v.shape[1] for v in videos)
+    grids = [image_grid([v[:, min(f, v.shape[1] - 1)] for v in videos], prompts, columns) for f in range(frames)]
+    grids[0].save(path, save_all=True, append_images=grids[1:], duration=round(1000 / fps), loop=0)
+
+
 def reward_curve(records: list[dict[str, Any]], width: int = 640, height: int = 360) -> Image.Image:
     """Mean reward per step with a +-std band, plus a moving average."""
     steps = [r["step"] for r in records]
