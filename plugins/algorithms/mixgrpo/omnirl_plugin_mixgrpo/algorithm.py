@@ -43,6 +43,10 @@ class MixGRPOConfig(BaseModel):
         None, ge=0, description="Largest window start l (None: num_steps - window_size); progressive rolls back "
         "to window_min_start after it."
     )
+    shared_initial_noise: bool = Field(
+        True, description="All samples of a group start from the same noise (as in DanceGRPO, which MixGRPO builds "
+        "on): with ODE steps outside the window, a group's rewards then differ only through the window's noise."
+    )
     flash: bool = Field(False, description="MixGRPO-Flash: second-order ODE (DPM-Solver++(2M)) after the window.")
     flash_compression: int = Field(
         2, ge=1, description="Flash: schedule steps after the window merged into one solver step."
@@ -73,7 +77,8 @@ def mixed_plan(options: MixGRPOConfig, num_steps: int, start: int) -> RolloutPla
     after = "dpm2" if options.flash else "ode"
     if not options.flash or options.flash_compression == 1:
         kinds = tuple(options.sampler if i in window else (after if i >= end else "ode") for i in range(num_steps))
-        return RolloutPlan(step_kinds=kinds, train_steps=window, eta=options.noise_level)
+        return RolloutPlan(step_kinds=kinds, train_steps=window, eta=options.noise_level,
+                           shared_initial_noise=options.shared_initial_noise)
     indices = list(range(end + 1))
     indices += list(range(end + options.flash_compression, num_steps, options.flash_compression))
     if indices[-1] != num_steps:
@@ -81,7 +86,7 @@ def mixed_plan(options: MixGRPOConfig, num_steps: int, start: int) -> RolloutPla
     kinds = tuple(options.sampler if i in window else (after if i >= end else "ode")
                   for i in range(len(indices) - 1))
     return RolloutPlan(step_kinds=kinds, train_steps=window, eta=options.noise_level,
-                       sigma_indices=tuple(indices))
+                       shared_initial_noise=options.shared_initial_noise, sigma_indices=tuple(indices))
 
 
 class MixGRPO(FlowPolicyGradient):

@@ -51,7 +51,7 @@ def test_plan_is_sde_and_trained_only_inside_the_window():
     plan = mixed_plan(MixGRPOConfig(window_size=3, sampler="dance", noise_level=0.7), num_steps=8, start=2)
     assert plan.step_kinds == ("ode", "ode", "dance", "dance", "dance", "ode", "ode", "ode")
     assert plan.train_steps == (2, 3, 4)
-    assert plan.eta == 0.7 and plan.sigma_indices is None
+    assert plan.eta == 0.7 and plan.sigma_indices is None and plan.shared_initial_noise
 
 
 def test_flash_plan_compresses_the_steps_after_the_window_with_the_second_order_solver():

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.advantage import group_advantages
 from omnirl_core.config import RunConfig
 from omnirl_core.ema import ShadowParameters
 from omnirl_core.errors import ConfigError, UsageError
@@ -72,16 +73,7 @@ class NFTUnit:
 
 def optimality(rewards: torch.Tensor, groups: torch.Tensor, global_std: bool, eps: float = 1e-8) -> torch.Tensor:
     """r = 0.5 + 0.5 * clip((r_raw - group mean) / Z, -1, 1), Z the batch or group std (population)."""
-    rewards = rewards.double()
-    centred = torch.empty_like(rewards)
-    z = torch.empty_like(rewards)
-    for g in torch.unique(groups):
-        idx = groups == g
-        centred[idx] = rewards[idx] - rewards[idx].mean()
-        z[idx] = rewards[idx].std(unbiased=False)
-    if global_std:
-        z = torch.full_like(rewards, float(rewards.std(unbiased=False)))
-    return (0.5 + 0.5 * (centred / (z + eps)).clamp(-1.0, 1.0)).float()
+    return 0.5 + 0.5 * group_advantages(rewards, groups, global_std=global_std, eps=eps, clip=1.0)
 
 
 def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor,
