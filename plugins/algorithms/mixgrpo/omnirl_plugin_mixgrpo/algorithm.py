@@ -100,6 +100,9 @@ class MixGRPO(FlowPolicyGradient):
                 f"{self.num_steps} denoising steps.",
                 hint="Lower algorithm.options.window_size / window_max_start, or raise rollout.num_steps.",
             )
+        if o.sampler == "cps" and high + o.window_size == self.num_steps:
+            raise ConfigError("CPS adds no noise on the step to sigma 0, so a window may not reach it.",
+                              hint=f"Set algorithm.options.window_max_start to at most {high - 1}.")
 
     def window(self, step: int) -> tuple[int, ...]:
         start = window_start(self.options, self.num_steps, step, self.config.run.seed)

@@ -72,6 +72,9 @@ def test_window_that_does_not_fit_is_a_config_error():
         MixGRPO(MixGRPOConfig(window_size=6), _config(num_steps=4))
     with pytest.raises(ConfigError, match="does not fit"):
         MixGRPO(MixGRPOConfig(window_size=2, window_max_start=9), _config(num_steps=10))
+    with pytest.raises(ConfigError, match="CPS adds no noise"):
+        MixGRPO(MixGRPOConfig(window_size=2, sampler="cps"), _config(num_steps=10))
+    assert MixGRPO(MixGRPOConfig(window_size=2, sampler="cps", window_max_start=7), _config(num_steps=10))
 
 
 # -- the Flash solver ---------------------------------------------------------------------------------
