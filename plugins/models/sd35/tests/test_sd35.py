@@ -1,0 +1,218 @@
+"""SD3.5 plugin on its tiny presets (medium and large layouts): from_pretrained round trip with and without
+T5, the flow-model contract, rollout/trainer log-prob agreement, LoRA in the layout diffusers reads, image
+encoding, clear errors, and the real CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omnirl_plugin_sd35.model import SD35Options, create_model, load_pipeline
+from omnirl_plugin_sd35.tiny import save_tiny
+
+from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.errors import UsageError
+from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.policy_gradient import FlowPolicyGradient
+
+LAYOUTS = ("medium", "large")
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {layout: save_tiny(tmp_path_factory.mktemp(f"sd35-{layout}"), layout=layout, seed=3) for layout in LAYOUTS}
+
+
+def _model(path: Path, layout: str = "medium", lora: bool = True, **options):
+    opts = SD35Options(layout=layout, max_sequence_length=16, **options)
+    model = create_model(ModelSection(name="sd3.5", preset="tiny", path=str(path)), opts, "cpu")
+    model.setup_training(LoraConfig(enabled=lora, rank=4, alpha=4), need_reference=True)
+    return model
+
+
+def _render(pipe, steps: int = 2):
+    return pipe(prompt="a red square", height=SIZE, width=SIZE, num_inference_steps=steps, guidance_scale=4.5,
+                output_type="pt", max_sequence_length=16, generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tiny_preset_saves_and_reloads_through_from_pretrained(tiny_dirs, layout: str):
+    path = tiny_dirs[layout]
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"):
+        assert index[name][0] is not None, name
+    pipe = load_pipeline(str(path), torch.float32)
+    assert bool(pipe.transformer.config.dual_attention_layers) == (layout == "medium")
+    first = _render(pipe)
+    assert first.shape == (1, 3, SIZE, SIZE)
+    torch.testing.assert_close(first, _render(load_pipeline(str(path), torch.float32)))
+
+
+def test_without_t5_the_encoder_is_not_loaded_and_its_embedding_part_is_zero(tiny_dirs):
+    with_t5 = _model(tiny_dirs["medium"])
+    without = _model(tiny_dirs["medium"], use_t5=False)
+    assert without.pipeline.text_encoder_3 is None and with_t5.pipeline.text_encoder_3 is not None
+    a = with_t5.encode(["a red square"]).tensors
+    b = without.encode(["a red square"]).tensors
+    assert a["prompt_embeds"].shape == b["prompt_embeds"].shape == (1, 77 + 16, 64)
+    torch.testing.assert_close(a["prompt_embeds"][:, :77], b["prompt_embeds"][:, :77])  # the CLIP part
+    torch.testing.assert_close(a["pooled_prompt_embeds"], b["pooled_prompt_embeds"])
+    assert b["prompt_embeds"][:, 77:].abs().max() == 0 and a["prompt_embeds"][:, 77:].abs().max() > 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flow_model_contract(tiny_dirs, layout: str):
+    from omnirl_core.testing import check_flow_model
+
+    check_flow_model(_model(tiny_dirs[layout], layout), height=SIZE, width=SIZE)
+
+
+def test_velocity_matches_the_pipelines_own_denoising(tiny_dirs):
+    """Our schedule + velocity + Euler steps reproduce StableDiffusion3Pipeline's latents (CFG on)."""
+    from omnirl_core.sampler import sample_step
+
+    model = _model(tiny_dirs["medium"], lora=False)
+    pipe = model.pipeline
+    shape = model.latent_shape(SIZE, SIZE)
+    x0 = torch.randn(1, *shape, generator=torch.Generator().manual_seed(5))
+    expected = pipe(prompt="a red square", negative_prompt="", height=SIZE, width=SIZE, num_inference_steps=4,
+                    guidance_scale=4.5, latents=x0.clone(), output_type="latent", max_sequence_length=16).images
+    cond, uncond = model.encode(["a red square"]), model.encode([""])
+    sigmas = model.sigmas(4, shape)
+    x = x0
+    with torch.no_grad():
+        for i in range(4):
+            s, s_next = sigmas[i:i + 1], sigmas[i + 1:i + 2]
+            x = sample_step("ode", x, model.velocity(x, s, cond, 4.5, uncond), s, s_next, 0.0).prev_sample
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+
+
+def _rollout(model, guidance: float, steps: int = 4):
+    from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine
+
+    plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=0.7)
+    prompts = ["a red square", "a red square", "a blue square, photo", "a blue square, photo"]
+    requests = [
+        GenRequest(uid=i, prompt=p, prompt_index=i // 2, group=i // 2, seed=100 + i, height=SIZE, width=SIZE,
+                   plan=plan, guidance_scale=guidance, noise_seed=100 + i)
+        for i, p in enumerate(prompts)
+    ]
+    return list(DiffusersRolloutEngine(model, None, "cpu").generate(requests))
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_trainer_reevaluation_equals_rollout_logprob(tiny_dirs, guidance: float):
+    model = _model(tiny_dirs["medium"])
+    samples = _rollout(model, guidance)
+    config = RunConfig()
+    config.rollout.num_steps = 4
+    options = type("O", (), {"beta": 0.0, "global_std": True, "adv_clip": 5.0, "clip_range": 1e-4})()
+    algo = FlowPolicyGradient(options, config)
+    units = algo.training_units(samples)
+    units = units[::2] + units[1::2]
+    with torch.no_grad():
+        for start in range(0, len(units), 5):
+            metrics = algo.prepare(model, units[start:start + 5])
+            assert metrics["logprob/abs_delta_max"] <= 1e-5, metrics
+    for u in units:
+        u.sample.advantage = 1.0
+    _, metrics = algo.loss(model, units[:6], first_update=True)
+    assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-5) and metrics["clip_frac"] == 0.0
+
+
+def test_lora_checkpoint_loads_into_a_diffusers_pipeline(tiny_dirs, tmp_path: Path):
+    from peft.utils import get_peft_model_state_dict
+
+    model = _model(tiny_dirs["medium"])
+    names = {n for n, p in model.denoiser.named_parameters() if p.requires_grad}
+    assert any(".attn2." in n for n in names)  # MMDiT-X's second attention is adapted too
+    assert any("ff_context" in n for n in names) and any("add_q_proj" in n for n in names)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    assert model.save_trained(tmp_path / "ckpt") == ["pytorch_lora_weights.safetensors"]
+    pipe = load_pipeline(str(tiny_dirs["medium"]), torch.float32)
+    before = _render(pipe, steps=3)
+    pipe.load_lora_weights(str(tmp_path / "ckpt"))
+    assert (_render(pipe, steps=3) - before).abs().max() > 1e-3
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
+    trained = model.trained_state_dict()
+    assert loaded.keys() == trained.keys()
+    for key, value in trained.items():
+        torch.testing.assert_close(loaded[key], value)
+
+
+def test_encode_images_inverts_decode_shape_and_is_deterministic(tiny_dirs):
+    model = _model(tiny_dirs["medium"])
+    images = torch.rand(2, 3, SIZE, SIZE)
+    z = model.encode_images(images)
+    assert z.shape == (2, *model.latent_shape(SIZE, SIZE)) and z.dtype == torch.float32
+    torch.testing.assert_close(model.encode_images(images), z)
+    assert model.decode(z).shape == images.shape
+
+
+def test_layout_mismatch_and_bad_sizes_are_clear_errors(tiny_dirs, tmp_path: Path):
+    with pytest.raises(UsageError, match=r"large \(MMDiT, no dual attention\) layout, but model.options.layout"):
+        _model(tiny_dirs["large"], "medium")
+    with pytest.raises(UsageError, match="no model_index.json"):
+        load_pipeline(str(tmp_path), torch.float32)
+    model = _model(tiny_dirs["medium"])
+    with pytest.raises(UsageError, match="divisible by 8"):
+        model.latent_shape(36, SIZE)
+    with pytest.raises(UsageError, match="num_frames"):
+        model.latent_shape(SIZE, SIZE, 5)
+
+
+def test_unreachable_hub_id_is_a_clear_error():
+    code = ("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline\n"
+            "from omnirl_core.errors import UsageError\n"
+            "try:\n    load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)\n"
+            "except UsageError as e:\n    print('ERR', e.render())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert "ERR Could not load SD3.5 from 'stabilityai/stable-diffusion-3.5-medium'" in out.stdout, out.stderr[-2000:]
+    assert "--preset tiny" in out.stdout
+
+
+def test_importing_the_plugin_is_cheap():
+    code = "import sys, omnirl_plugin_sd35; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _installed_algorithms() -> set[str]:
+    exe = Path(sys.executable).with_name("omnirl")
+    out = subprocess.run([str(exe), "algos", "--format", "json"], capture_output=True, text=True, check=True)
+    return {a["name"] for a in json.loads(out.stdout)}
+
+
+@pytest.mark.parametrize("algo,layout", [("flowgrpo", "medium"), ("dpo", "medium"), ("flowgrpo", "large")])
+def test_cli_trains_the_tiny_preset(tmp_path: Path, algo: str, layout: str):
+    if algo not in _installed_algorithms():
+        pytest.skip(f"algorithm plugin '{algo}' is not installed")
+    exe = Path(sys.executable).with_name("omnirl")
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [str(exe), "train", "--model", "sd3.5", "--algo", algo, "--preset", "tiny", "--steps", "2",
+         "-o", str(run), "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+         "--set", f"model.options.layout={layout}"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert 0.0 < records[0]["reward/color"] < 1.0
+    if algo == "flowgrpo":
+        assert records[0]["logprob/abs_delta_max"] <= 1e-5
+    else:
+        assert "dpo/loss" in records[0]
+    assert (run / "samples" / "step-000002.png").is_file()
+    assert (run / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors").is_file()
