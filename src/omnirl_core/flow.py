@@ -137,3 +137,38 @@ class DenoiserModel:
             for file in weights:
                 state.update(load_file(str(file)))
             self.load_trained_state_dict(state)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.dtype`` names -> torch dtypes."""
+
+
+def load_diffusers_pipeline(pipeline_cls: Any, path: str, dtype: torch.dtype, label: str, access_note: str = "",
+                            **kwargs: Any) -> Any:
+    """``pipeline_cls.from_pretrained(path)`` for a local diffusers directory or a hub id, with a clear error
+    when it is neither (no ``model_index.json`` there, or the hub unreachable / without it). ``label`` names
+    the model in messages, ``access_note`` adds how to get the checkpoint (e.g. a gated licence); ``kwargs``
+    go to ``from_pretrained`` (e.g. a component set to None)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    from omnirl_core.errors import UsageError
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    local = Path(path).expanduser()
+    looks_local = local.exists() or path.startswith((".", "/", "~"))
+    if looks_local and not (local / "model_index.json").is_file():
+        raise UsageError(
+            f"'{path}' is not a diffusers {label} directory (no model_index.json).",
+            hint="Point model.path at a directory saved with save_pretrained, or use --preset tiny.",
+        )
+    try:
+        return pipeline_cls.from_pretrained(str(local) if looks_local else path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"Could not load {label} from '{path}': it is not a local directory and the hub is unreachable or "
+            f"does not have it.{' ' + access_note if access_note else ''}",
+            details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
+            hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
+        ) from exc

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow import DenoiserModel
+from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.tiny import atomic_directory, cache_dir
 
@@ -144,9 +144,6 @@ class SD35Model(DenoiserModel):
         return ((z - vae.config.shift_factor) * vae.config.scaling_factor).float()
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _tiny_directory(layout: str, seed: int) -> Path:
     from omnirl_plugin_sd35.tiny import TINY_VERSION, save_tiny
 
@@ -158,29 +155,13 @@ def load_pipeline(path: str, dtype: torch.dtype, use_t5: bool = True):
     """``StableDiffusion3Pipeline.from_pretrained`` on a local directory or a hub id, with a clear error.
     ``use_t5=False`` does not load the T5 encoder at all."""
     from diffusers import StableDiffusion3Pipeline
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    local = Path(path).expanduser()
-    looks_local = local.exists() or path.startswith((".", "/", "~"))
-    if looks_local and not (local / "model_index.json").is_file():
-        raise UsageError(
-            f"'{path}' is not a diffusers SD3.5 directory (no model_index.json).",
-            hint="Point model.path at a directory saved with save_pretrained, or use --preset tiny.",
-        )
     without_t5 = {} if use_t5 else {"text_encoder_3": None, "tokenizer_3": None}
-    try:
-        return StableDiffusion3Pipeline.from_pretrained(str(local) if looks_local else path, dtype=dtype,
-                                                        **without_t5)
-    except (OSError, ValueError) as exc:
-        raise UsageError(
-            f"Could not load SD3.5 from '{path}': it is not a local directory and the hub is unreachable or "
-            "does not have it (the released checkpoints are gated: accept the licence and log in first).",
-            details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
-            hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
-        ) from exc
+    return load_diffusers_pipeline(
+        StableDiffusion3Pipeline, path, dtype, "SD3.5",
+        access_note="The released SD3.5 checkpoints are gated: accept the licence on the hub and log in first.",
+        **without_t5,
+    )
 
 
 def check_layout(pipeline: Any, layout: str, path: str) -> None:
@@ -196,7 +177,7 @@ def check_layout(pipeline: Any, layout: str, path: str) -> None:
 
 def create_model(section: ModelSection, options: SD35Options | None, device: Any) -> SD35Model:
     options = options or SD35Options()
-    dtype = _DTYPES[section.dtype]
+    dtype = DTYPES[section.dtype]
     if section.preset == "tiny":
         path = section.path or str(_tiny_directory(options.layout, options.tiny_seed))
     elif section.preset is not None:

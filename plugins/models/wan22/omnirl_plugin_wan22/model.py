@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow import DenoiserModel
+from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.tiny import atomic_directory, cache_dir
 
@@ -309,9 +309,6 @@ class Wan22Model(DenoiserModel):
         self.load_trained_state_dict(state)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def _tiny_directory(layout: str, seed: int) -> Path:
     from omnirl_plugin_wan22.tiny import TINY_VERSION, save_tiny
 
@@ -322,27 +319,8 @@ def _tiny_directory(layout: str, seed: int) -> Path:
 def load_pipeline(path: str, dtype: torch.dtype):
     """``WanPipeline.from_pretrained`` on a local directory or a hub id, with a clear error."""
     from diffusers import WanPipeline
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    local = Path(path).expanduser()
-    looks_local = local.exists() or path.startswith((".", "/", "~"))
-    if looks_local and not (local / "model_index.json").is_file():
-        raise UsageError(
-            f"'{path}' is not a diffusers Wan2.2 directory (no model_index.json).",
-            hint="Point model.path at a directory saved with save_pretrained, or use --preset tiny.",
-        )
-    try:
-        return WanPipeline.from_pretrained(str(local) if looks_local else path, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise UsageError(
-            f"Could not load Wan2.2 from '{path}': it is not a local directory and the hub is unreachable or "
-            "does not have it.",
-            details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
-            hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
-        ) from exc
+    return load_diffusers_pipeline(WanPipeline, path, dtype, "Wan2.2")
 
 
 def check_layout(pipeline: Any, layout: str, path: str) -> None:
@@ -358,7 +336,7 @@ def check_layout(pipeline: Any, layout: str, path: str) -> None:
 
 def create_model(section: ModelSection, options: Wan22Options | None, device: Any) -> Wan22Model:
     options = options or Wan22Options()
-    dtype = _DTYPES[section.dtype]
+    dtype = DTYPES[section.dtype]
     if section.preset == "tiny":
         path = section.path or str(_tiny_directory(options.layout, options.tiny_seed))
     elif section.preset is not None:
