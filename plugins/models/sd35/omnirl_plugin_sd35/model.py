@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.config import ModelSection
+from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
@@ -34,6 +34,10 @@ class SD35Options(BaseModel):
     use_t5: bool = Field(
         True, description="Load and run the T5-XXL text encoder. False leaves it out (its part of the prompt "
         "embedding is zeros, as in the pipeline): about 9 GB less memory, weaker text following."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each transformer block's activations in the backward pass (less training "
+        "memory at high resolution, about a third more compute; same numbers)."
     )
     max_sequence_length: int = Field(256, ge=1, le=512, description="T5 prompt tokens (CLIP always uses 77).")
     tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
@@ -55,6 +59,11 @@ class SD35Model(DenoiserModel):
         self.patch = pipeline.transformer.config.patch_size
         self.channels = pipeline.transformer.config.in_channels
         self.num_train_timesteps = pipeline.scheduler.config.num_train_timesteps
+
+    def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
+        super().setup_training(lora, need_reference)
+        if self.options.gradient_checkpointing:
+            self.denoiser.enable_gradient_checkpointing()
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         p = self.pipeline

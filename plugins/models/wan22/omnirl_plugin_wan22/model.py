@@ -53,6 +53,10 @@ class Wan22Options(BaseModel):
         None, ge=1, description="a14b: CFG scale of the low-noise expert when CFG is on; None: "
         "rollout.guidance_scale for both experts."
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each transformer block's activations in the backward pass (much less "
+        "training memory for long videos, about a third more compute; same numbers)."
+    )
     max_sequence_length: int = Field(
         512, ge=1, le=1024, description="Prompt tokens; UMT5 embeddings are zero-padded to this length as "
         "WanPipeline does (the transformer attends to the padding too)."
@@ -93,6 +97,22 @@ class Wan22Model(DenoiserModel):
         self.patch = tuple(pipeline.transformer.config.patch_size)
         self._reference_copies: dict[str, torch.nn.Module] = {}
 
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        """The trained expert, for code that trains one module (the fsdp2 engine shards ``model.denoiser``).
+        With both A14B experts trained there is no single one: refused rather than training half the policy."""
+        if len(self.trained) > 1:
+            raise UsageError(
+                "Wan2.2 A14B trains both experts here, but the train engine works on one module "
+                "(model.denoiser), so it would leave the low-noise expert untrained.",
+                hint="Use the torch train engine, or set model.options.train_experts=high or low.",
+            )
+        return self.experts[self.trained[0]]
+
+    @denoiser.setter
+    def denoiser(self, module: torch.nn.Module) -> None:
+        """The base class assigns it; ``experts`` holds the modules here."""
+
     def frozen_modules(self) -> list[torch.nn.Module]:
         return [self.pipeline.text_encoder, self.pipeline.vae,
                 *(m for name, m in self.experts.items() if name not in self.trained)]
@@ -116,6 +136,8 @@ class Wan22Model(DenoiserModel):
                     self._reference_copies[name] = copy.deepcopy(self.experts[name]).requires_grad_(False).eval()
         for name in self.trained:
             self.experts[name].train()
+            if self.options.gradient_checkpointing:
+                self.experts[name].enable_gradient_checkpointing()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for name in self.trained for p in self.experts[name].parameters() if p.requires_grad]

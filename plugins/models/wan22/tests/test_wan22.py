@@ -104,6 +104,27 @@ def test_a14b_gradients_reach_both_experts_from_one_mixed_batch(tiny_dirs):
         assert grads and all(g is not None and g.abs().sum() > 0 for g in grads), name
 
 
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_dirs):
+    grads = []
+    for checkpointing in (False, True):
+        model = _model(tiny_dirs["a14b"], "a14b", gradient_checkpointing=checkpointing)
+        assert model.experts["transformer_2"].gradient_checkpointing == checkpointing
+        with torch.no_grad():
+            for p in model.trainable_parameters():
+                p.copy_(torch.full_like(p, 0.01))
+        x = torch.randn(2, *model.latent_shape(SIZE, SIZE, FRAMES), generator=torch.Generator().manual_seed(2))
+        model.velocity(x, torch.tensor([0.9, 0.3]), model.encode(["a red square"] * 2)).pow(2).mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.trainable_parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_a_single_module_engine_is_refused_when_both_experts_train(tiny_dirs):
+    with pytest.raises(UsageError, match="leave the low-noise expert untrained") as info:
+        _ = _model(tiny_dirs["a14b"], "a14b").denoiser
+    assert "train_experts=high or low" in info.value.hint
+    assert _model(tiny_dirs["ti2v-5b"], "ti2v-5b").denoiser is not None
+
+
 def _rollout(model, guidance: float, steps: int = 6):
     from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine
 
