@@ -17,6 +17,7 @@ PLUGINS = [
     "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_mixgrpo", "omnirl_plugin_dancegrpo",
     "omnirl_plugin_grpo_guard", "omnirl_plugin_dpo", "omnirl_plugin_nft", "omnirl_plugin_diffusers",
     "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_ocr", "omnirl_plugin_cpu", "omnirl_plugin_cuda",
+    "omnirl_plugin_wan22", "omnirl_plugin_sd35", "omnirl_plugin_color",
 ]
 
 
