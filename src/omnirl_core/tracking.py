@@ -15,7 +15,11 @@ CONFIG_FILE = "config.yaml"
 LOCK_FILE = "plugins.lock.json"
 METRICS_FILE = "metrics.jsonl"
 # keys that may differ between invocations of one run (a resumed run may train longer)
-RUN_IDENTITY_IGNORES = ("run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every")
+RUN_IDENTITY_IGNORES = (
+    "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
+    # placement changes where workers run, not what they compute: a run may resume on another executor
+    "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
+)
 
 
 def _atomic_write(path: Path, text: str) -> None:

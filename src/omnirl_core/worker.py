@@ -64,6 +64,7 @@ class Worker:
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
+        self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
         if "actor" in self.roles:
             if self.algorithm is None:
                 self.algorithm = build_algorithm(r)
