@@ -293,19 +293,21 @@ class CausalLMPolicy:
         else:
             self.module.load_state_dict(state)
 
-    def save_trained(self, directory: Path) -> list[str]:
+    def save_trained(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
         """LoRA: the peft adapter layout (``adapter_model.safetensors`` + ``adapter_config.json``), which
-        ``PeftModel.from_pretrained(base, directory)`` reads. Full: ``model/`` via ``save_pretrained``."""
+        ``PeftModel.from_pretrained(base, directory)`` reads. Full: ``model/`` via ``save_pretrained``.
+        ``state``: the trained state to write instead of the module's own (a sharded trainer gathers it)."""
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in state.items()} if state is not None else None
         if self.lora is not None:
-            save_file(self.trained_state_dict(), str(directory / ADAPTER_WEIGHTS))
+            save_file(state if state is not None else self.trained_state_dict(), str(directory / ADAPTER_WEIGHTS))
             config = self._peft_config.to_dict()
             config["base_model_name_or_path"] = getattr(self.module, "name_or_path", None)
             (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=sorted))
             return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
-        self.module.save_pretrained(str(directory / FULL_WEIGHTS_DIR), safe_serialization=True)
+        self.module.save_pretrained(str(directory / FULL_WEIGHTS_DIR), safe_serialization=True, state_dict=state)
         return [f"{FULL_WEIGHTS_DIR}/"]
 
     def load_trained(self, directory: Path) -> None:

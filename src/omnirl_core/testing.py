@@ -65,3 +65,48 @@ def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) ->
     assert all(isinstance(v, float) and math.isfinite(v) for v in first), first
     assert list(reward(outputs, prompts)) == first, "the reward is not deterministic"
     return first
+
+
+def check_ar_model(model: Any, requests: Sequence[Any]) -> None:
+    """The AR contract (``omnirl_core.ar``): prompts as long token ids, fp32 log-probs <= 0 of given
+    completions that do not depend on what shares the batch, a reference policy, text decoding."""
+    import torch
+
+    from omnirl_core.ar import SamplingParams, TokenPrompt
+
+    assert isinstance(model.capabilities, frozenset) and "ar-text" in model.capabilities
+    prompts = [model.encode_prompt(r) for r in requests]
+    assert all(isinstance(p, TokenPrompt) and p.input_ids.dtype == torch.long and p.input_ids.dim() == 1
+               for p in prompts)
+    g = torch.Generator().manual_seed(0)
+    vocab = min(len(model.tokenizer), 1000)
+    completions = [torch.randint(0, vocab, (2 + i,), generator=g) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.8)] * len(prompts)
+    with torch.no_grad():
+        batch = model.token_logprobs(prompts, completions, params)
+        for i, lp in enumerate(batch):
+            assert lp.dtype == torch.float32 and lp.shape == completions[i].shape, (lp.dtype, lp.shape)
+            assert bool((lp <= 0).all()) and bool(torch.isfinite(lp).all()), lp
+            [alone] = model.token_logprobs(prompts[i:i + 1], completions[i:i + 1], params[:1])
+            err = (alone - lp).abs().max().item()
+            assert err <= 1e-5, f"log-probs of row {i} change with its batch by {err}"
+        with model.reference():
+            ref = model.token_logprobs(prompts, completions, params)
+    assert [r.shape for r in ref] == [b.shape for b in batch]
+    assert isinstance(model.decode(completions[0]), str)
+    assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
+
+
+def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, Any]]:
+    """Drive the real ``omnirl train`` console script into ``run_dir`` (an end-to-end test); asserts it exits
+    0 and returns the run's metrics records."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("omnirl")
+    result = subprocess.run([str(exe), "train", "-o", str(run_dir), *args], capture_output=True, text=True,
+                            timeout=timeout, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

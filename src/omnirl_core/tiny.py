@@ -166,3 +166,15 @@ def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape
         out = decode(probe)
         conv_out.weight.mul_(target_std / max(out.std().item(), 1e-6))
         conv_out.bias.zero_()
+
+
+def checkpoint_path(section: Any, model: str, build_tiny: Callable[[], Path], default: str) -> str:
+    """Where a model section's weights come from: the ``tiny`` preset's directory (``build_tiny()`` makes or
+    finds it) unless ``model.path`` is set, else ``model.path`` or the model's default hub id."""
+    from omnirl_core.errors import UsageError
+
+    if section.preset == "tiny":
+        return str(build_tiny()) if section.path is None else section.path
+    if section.preset is not None:
+        raise UsageError(f"Unknown preset '{section.preset}' for {model}.", hint="Available presets: tiny.")
+    return section.path or default

@@ -29,11 +29,11 @@ def omnirl_register_models(register):
                 # preset samples only the letters and the stop token (guided choice), so that the rule reward
                 # has signal and learning is visible in a minute
                 "tiny": {
-                    "model": {"dtype": "float32", "lora": {"rank": 8, "alpha": 16}},
+                    "model": {"dtype": "float32", "lora": {"rank": 16, "alpha": 32}},
                     "rollout": {"prompts_per_step": 4, "group_size": 8,
-                                "options": {"max_new_tokens": 3, "allowed_tokens": ["A", "B", "C", "D"]}},
-                    "train": {"lr": 3e-3, "micro_batch_size": 32},
-                    "run": {"steps": 60, "save_every": 20, "sample_every": 10},
+                                "options": {"max_new_tokens": 2, "allowed_tokens": ["A", "B", "C", "D"]}},
+                    "train": {"lr": 1e-3, "minibatches": 2, "micro_batch_size": 16},
+                    "run": {"steps": 40, "save_every": 20, "sample_every": 10},
                 },
             },
         )

@@ -17,7 +17,7 @@ from omnirl_core.ar import CausalLMPolicy, TokenPrompt
 from omnirl_core.config import ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_qwen3_omni.media import MediaEncoder, collate_media
 
 DEFAULT_HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
@@ -200,11 +200,6 @@ def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tup
 def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device: Any) -> Qwen3OmniThinker:
     options = options or Qwen3OmniOptions()
     dtype = _DTYPES[section.dtype]
-    if section.preset == "tiny":
-        path = str(_tiny_directory(options.tiny_seed)) if section.path is None else section.path
-    elif section.preset is not None:
-        raise UsageError(f"Unknown preset '{section.preset}' for qwen3-omni.", hint="Available presets: tiny.")
-    else:
-        path = section.path or DEFAULT_HUB_ID
+    path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed), DEFAULT_HUB_ID)
     thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
     return Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)

@@ -99,6 +99,9 @@ def _widen_output_head(thinker: Any, std: float = 0.3) -> None:
 
 def save_tiny(directory: str | Path, seed: int = 0) -> Path:
     """Build the tiny preset and save it in the released checkpoints' layout."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
     directory = Path(directory)
     thinker, tok, image_processor, feature_extractor = build_tiny(seed)
     thinker.save_pretrained(str(directory), safe_serialization=True)

@@ -21,6 +21,7 @@ from PIL import Image
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest
+from omnirl_core.testing import check_ar_model, run_train
 from omnirl_core.token_policy_gradient import AR_PLAN, TokenPolicyGradient
 
 
@@ -230,18 +231,16 @@ def test_importing_the_plugin_is_cheap():
 
 def test_cli_trains_the_tiny_preset(tmp_path: Path):
     """The real CLI end to end: rollout, answer-match reward, update, checkpoint, text samples."""
-    exe = Path(sys.executable).with_name("omnirl")
     run = tmp_path / "run"
-    result = subprocess.run(
-        [str(exe), "train", "--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--steps", "2",
-         "-o", str(run), "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-         "--set", "train.minibatches=2"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = run_train(run, "--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--steps", "2",
+                        "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4")
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["logprob/abs_delta_max"] < 1e-5
     sample = json.loads((run / "samples" / "step-000001.jsonl").read_text().splitlines()[0])
     assert set(sample) == {"prompt", "output", "reward"} and sample["reward"] in (0.0, 1.0)
     assert (run / "checkpoints" / "step-000002" / "adapter_model.safetensors").is_file()
+
+
+def test_ar_contract(shared_model, media: dict[str, str]):
+    check_ar_model(shared_model, _requests([("Hi", {}), ("Look:", {"image": media["image"]}),
+                                            ("Listen:", {"audio": media["audio"]})], group_size=1))

@@ -69,10 +69,10 @@ def test_the_core_passes_each_prompts_record_from_a_jsonl_file(tmp_path: Path):
         RewardSet([RewardFn("answer-match", AnswerMatch())]).score(broken)
 
 
-def test_the_default_task_needs_the_prompt_to_be_read():
-    answers = [q["answer"] for q in CHOICE_QUESTIONS]
-    assert sorted(set(answers)) == ["A", "B", "C", "D"]
-    assert max(answers.count(a) for a in "ABCD") / len(answers) <= 0.25  # no single letter wins more often
+def test_the_default_task_is_a_fixed_letter_with_the_right_option_under_it():
     reward = AnswerMatch()
     for q in CHOICE_QUESTIONS:
-        assert reward([q["answer"]], [q["prompt"]], inputs=[q]) == [1.0]
+        assert q["answer"] == "B"
+        assert reward(["B"], [q["prompt"]], inputs=[q]) == [1.0]
+        assert reward(["A"], [q["prompt"]], inputs=[q]) == [0.0]
+    assert len({q["prompt"] for q in CHOICE_QUESTIONS}) == 8
