@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.config import load_recipe
+from omnirl_core.interfaces import RolloutPlan
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 
@@ -17,7 +18,8 @@ PLUGINS = [
     "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_mixgrpo", "omnirl_plugin_dancegrpo",
     "omnirl_plugin_grpo_guard", "omnirl_plugin_dpo", "omnirl_plugin_nft", "omnirl_plugin_diffusers",
     "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_ocr", "omnirl_plugin_cpu", "omnirl_plugin_cuda",
-    "omnirl_plugin_wan22", "omnirl_plugin_sd35", "omnirl_plugin_color",
+    "omnirl_plugin_wan22", "omnirl_plugin_sd35", "omnirl_plugin_color", "omnirl_plugin_qwen3_omni",
+    "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match",
 ]
 
 
@@ -49,5 +51,4 @@ def test_recipe_resolves_and_builds_its_algorithm(path: Path, manager: PluginMan
         options["preference_file"] = str(prefs)
     resolved = resolve_run(manager, [layer], probe_device=False)
     algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), resolved.config)
-    plan = algorithm.plan(1)
-    assert plan.num_steps >= 1
+    assert isinstance(algorithm.plan(1), RolloutPlan)  # token-level algorithms plan no denoising steps

@@ -203,7 +203,7 @@ def _train(tmp_path: Path, *extra: str) -> list[dict]:
 def test_cli_run_trains_only_the_window(tmp_path: Path):
     records = _train(tmp_path, "--set", "algorithm.options.window_shift_interval=1")
     assert [r["window/start"] for r in records] == [0.0, 1.0]
-    assert records[0]["rollout/nfe"] == 8.0  # the tiny preset's 8 steps, all run
+    assert records[0]["rollout/nfe"] == 6.0  # the tiny preset's 6 steps, all run
     # the trainer re-evaluates the window's stored transitions exactly as the rollout computed them
     assert records[0]["logprob/abs_delta_max"] <= 1e-5
     assert all(abs(r["loss"]) < 1.0 for r in records)
@@ -211,8 +211,8 @@ def test_cli_run_trains_only_the_window(tmp_path: Path):
 
 @pytest.mark.slow
 def test_cli_flash_run_takes_fewer_solver_steps(tmp_path: Path):
-    records = _train(tmp_path, "--set", "algorithm.options.flash=true",
-                     "--set", "algorithm.options.flash_compression=3")
-    # window 0..1 (2 steps), then schedule points 2 -> 5 -> 8: 4 steps instead of 8
-    assert records[0]["rollout/nfe"] == 4.0
+    records = _train(tmp_path, "--set", "algorithm.options.flash=true", "--set", "rollout.num_steps=10",
+                     "--set", "algorithm.options.window_size=2", "--set", "algorithm.options.flash_compression=3")
+    # window 0..1 (2 steps), then schedule points 2 -> 5 -> 8 -> 10: 5 model calls instead of 10
+    assert records[0]["rollout/nfe"] == 5.0
     assert records[0]["logprob/abs_delta_max"] <= 1e-5
