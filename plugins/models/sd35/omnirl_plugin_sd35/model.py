@@ -20,7 +20,7 @@ from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
 
 HUB_IDS = {"medium": "stabilityai/stable-diffusion-3.5-medium", "large": "stabilityai/stable-diffusion-3.5-large"}
 
@@ -187,12 +187,8 @@ def check_layout(pipeline: Any, layout: str, path: str) -> None:
 def create_model(section: ModelSection, options: SD35Options | None, device: Any) -> SD35Model:
     options = options or SD35Options()
     dtype = DTYPES[section.dtype]
-    if section.preset == "tiny":
-        path = section.path or str(_tiny_directory(options.layout, options.tiny_seed))
-    elif section.preset is not None:
-        raise UsageError(f"Unknown preset '{section.preset}' for sd3.5.", hint="Available presets: tiny.")
-    else:
-        path = section.path or HUB_IDS[options.layout]
+    path = checkpoint_path(section, "sd3.5", lambda: _tiny_directory(options.layout, options.tiny_seed),
+                           HUB_IDS[options.layout])
     pipeline = load_pipeline(path, dtype, options.use_t5)
     check_layout(pipeline, options.layout, path)
     pipeline = pipeline.to(device)

@@ -26,7 +26,7 @@ from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 HIGH, LOW = "transformer", "transformer_2"
@@ -359,12 +359,8 @@ def check_layout(pipeline: Any, layout: str, path: str) -> None:
 def create_model(section: ModelSection, options: Wan22Options | None, device: Any) -> Wan22Model:
     options = options or Wan22Options()
     dtype = DTYPES[section.dtype]
-    if section.preset == "tiny":
-        path = section.path or str(_tiny_directory(options.layout, options.tiny_seed))
-    elif section.preset is not None:
-        raise UsageError(f"Unknown preset '{section.preset}' for wan2.2.", hint="Available presets: tiny.")
-    else:
-        path = section.path or HUB_IDS[options.layout]
+    path = checkpoint_path(section, "wan2.2", lambda: _tiny_directory(options.layout, options.tiny_seed),
+                           HUB_IDS[options.layout])
     pipeline = load_pipeline(path, dtype)
     check_layout(pipeline, options.layout, path)
     pipeline = pipeline.to(device)
