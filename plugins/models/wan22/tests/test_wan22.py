@@ -261,6 +261,22 @@ def test_layout_mismatch_and_bad_sizes_are_clear_errors(tiny_dirs, tmp_path: Pat
         model.latent_shape(20, SIZE, FRAMES)
 
 
+def test_video_rewards_resolve_and_image_only_rewards_are_refused():
+    """Resolution pairs a reward with the model by modality: colour scores images and videos, JPEG only images."""
+    from omnirl_core.errors import PluginError
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import resolve_run
+
+    manager = PluginManager()
+    manager.load_modules(["omnirl_plugin_wan22", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
+                          "omnirl_plugin_torch", "omnirl_plugin_color", "omnirl_plugin_jpeg"])
+    layer = {"model": {"name": "wan22", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"}}
+    resolved = resolve_run(manager, [{**layer, "rewards": [{"name": "color"}]}], probe_device=False)
+    assert resolved.model.name == "wan2.2" and resolved.config.rollout.num_frames == FRAMES
+    with pytest.raises(PluginError, match="Reward 'jpeg' scores image outputs, but model 'wan2.2' makes video"):
+        resolve_run(manager, [{**layer, "rewards": [{"name": "jpeg"}]}], probe_device=False)
+
+
 def test_unreachable_hub_id_is_a_clear_error():
     code = ("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline\n"
             "from omnirl_core.errors import UsageError\n"
