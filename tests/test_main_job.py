@@ -28,7 +28,7 @@ def _metrics(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_main_job_learns_and_writes_a_complete_run_directory(tmp_path: Path):
     run = tmp_path / "run"
-    proc = run_cli(*MAIN_JOB, "--output-dir", str(run), timeout=1200)
+    proc = run_cli(*MAIN_JOB, "--output-dir", str(run), timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _metrics(run)
     assert [r["step"] for r in records] == list(range(1, 201))
