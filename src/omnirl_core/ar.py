@@ -317,10 +317,6 @@ class CausalLMPolicy:
         if self.lora is not None:
             self.load_trained_state_dict(load_file(str(directory / ADAPTER_WEIGHTS)))
             return
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted((directory / FULL_WEIGHTS_DIR).glob("*.safetensors")):
-            state.update(load_file(str(file)))
-        missing, unexpected = self.module.load_state_dict(state, strict=False)
-        if unexpected or [k for k in missing if k in dict(self.module.named_parameters())]:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
-                             f"{unexpected[:5]}")
+        # from_pretrained undoes the checkpoint's key renaming (transformers saves some models under other names)
+        saved = type(self.module).from_pretrained(str(directory / FULL_WEIGHTS_DIR), dtype=self.dtype)
+        self.module.load_state_dict(saved.state_dict())

@@ -99,7 +99,9 @@ def test_full_omni_checkpoint_layout_loads_the_thinker(tiny_dir: Path, tmp_path:
 def test_missing_checkpoints_are_clear_errors(tmp_path: Path, monkeypatch):
     with pytest.raises(UsageError, match="no config.json"):
         load_thinker(str(tmp_path), torch.float32, "sdpa")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch the value
     with pytest.raises(UsageError, match="hub is unreachable") as err:
         load_thinker("Qwen/Qwen3-Omni-30B-A3B-Instruct", torch.float32, "sdpa")
     assert "--preset tiny" in err.value.hint
@@ -204,6 +206,14 @@ def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_pat
     files = model.save_trained(tmp_path)
     assert files == ["adapter_model.safetensors", "adapter_config.json"]
     assert PeftConfig.from_pretrained(str(tmp_path)).r == 4
+    # peft itself reads the adapter onto a freshly loaded thinker: same logits as the trained model
+    from peft import PeftModel
+
+    base, _, _ = load_thinker(str(tiny_dir), torch.float32, "sdpa")
+    ids = samples[0].extras["prompt"].input_ids[None]
+    with torch.no_grad():
+        torch.testing.assert_close(PeftModel.from_pretrained(base, str(tmp_path))(input_ids=ids).logits,
+                                   model.module(input_ids=ids).logits)
     fresh = _model(tiny_dir)
     fresh.load_trained(tmp_path)
     args = ([s.extras["prompt"] for s in samples], [s.extras["completion"] for s in samples],
@@ -213,7 +223,8 @@ def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_pat
             torch.testing.assert_close(a, b)
         with fresh.reference():  # the adapter off: the base model
             base = fresh.token_logprobs(*args)
-    assert max(float((a - b).abs().max()) for a, b in zip(base, fresh.token_logprobs(*args))) > 1e-4
+        trained = fresh.token_logprobs(*args)
+    assert max(float((a - b).abs().max()) for a, b in zip(base, trained)) > 1e-4
 
 
 def test_video_prompts_are_refused_clearly(shared_model):
@@ -244,3 +255,19 @@ def test_cli_trains_the_tiny_preset(tmp_path: Path):
 def test_ar_contract(shared_model, media: dict[str, str]):
     check_ar_model(shared_model, _requests([("Hi", {}), ("Look:", {"image": media["image"]}),
                                             ("Listen:", {"audio": media["audio"]})], group_size=1))
+
+
+def test_full_fine_tuning_keeps_the_encoders_frozen_and_round_trips(tiny_dir: Path, tmp_path: Path):
+    model = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(tiny_dir)), Qwen3OmniOptions(), "cpu")
+    model.setup_training(LoraConfig(enabled=False), need_reference=True)
+    trained = {n for n, p in model.module.named_parameters() if p.requires_grad}
+    assert "lm_head.weight" in trained and not any(".audio_tower." in n or ".visual." in n for n in trained)
+    with torch.no_grad():
+        model.module.lm_head.weight.add_(0.1)
+    assert model.save_trained(tmp_path) == ["model/"]
+    fresh = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(tiny_dir)), Qwen3OmniOptions(), "cpu")
+    fresh.setup_training(LoraConfig(enabled=False), need_reference=False)
+    fresh.load_trained(tmp_path)
+    torch.testing.assert_close(fresh.module.lm_head.weight, model.module.lm_head.weight)
+    with model.reference():  # the frozen copy made before training
+        assert not torch.equal(model.module.lm_head.weight, fresh.module.lm_head.weight)
