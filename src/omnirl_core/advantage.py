@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -29,3 +31,14 @@ def group_advantages(
     if clip is not None:
         adv = adv.clamp(-clip, clip)
     return adv.float()
+
+
+def assign_group_advantages(samples: list[Any], *, global_std: bool, clip: float | None) -> torch.Tensor:
+    """``group_advantages`` of the samples' rewards, grouped by ``request.group``, written to each
+    ``sample.advantage``; returns them (N,)."""
+    rewards = torch.tensor([s.reward for s in samples])
+    groups = torch.tensor([s.request.group for s in samples])
+    adv = group_advantages(rewards, groups, global_std=global_std, clip=clip)
+    for sample, a in zip(samples, adv.tolist()):
+        sample.advantage = a
+    return adv

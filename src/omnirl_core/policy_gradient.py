@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omnirl_core.advantage import group_advantages
+from omnirl_core.advantage import assign_group_advantages
 from omnirl_core.config import RunConfig
 from omnirl_core.correction import (
     record_deltas,
@@ -108,11 +108,7 @@ class FlowPolicyGradient:
 
     # -- advantages ----------------------------------------------------------------------------
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
-        rewards = torch.tensor([s.reward for s in samples])
-        groups = torch.tensor([s.request.group for s in samples])
-        adv = group_advantages(rewards, groups, global_std=self.options.global_std, clip=self.options.adv_clip)
-        for sample, a in zip(samples, adv.tolist()):
-            sample.advantage = a
+        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip)
         return {"advantage/abs_mean": float(adv.abs().mean())}
 
     def training_units(self, samples: list[Sample]) -> list[Transition]:

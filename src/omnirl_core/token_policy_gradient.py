@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omnirl_core.advantage import group_advantages
+from omnirl_core.advantage import assign_group_advantages
 from omnirl_core.ar import completion_tokens
 from omnirl_core.config import RunConfig
 from omnirl_core.interfaces import RolloutPlan, Sample
@@ -71,11 +71,7 @@ class TokenPolicyGradient:
         return AR_PLAN
 
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
-        rewards = torch.tensor([s.reward for s in samples])
-        groups = torch.tensor([s.request.group for s in samples])
-        adv = group_advantages(rewards, groups, global_std=self.options.global_std, clip=self.options.adv_clip)
-        for sample, a in zip(samples, adv.tolist()):
-            sample.advantage = a
+        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip)
         lengths = torch.tensor([float(len(s.logprobs)) for s in samples])
         return {"advantage/abs_mean": float(adv.abs().mean()), "response_length/mean": float(lengths.mean())}
 
