@@ -164,27 +164,10 @@ def _tiny_directory(seed: int) -> Path:
 def load_pipeline(path: str, dtype: torch.dtype):
     """``QwenImagePipeline.from_pretrained`` on a local directory or a hub id, with a clear error."""
     from diffusers import QwenImagePipeline
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    local = Path(path).expanduser()
-    looks_local = local.exists() or path.startswith((".", "/", "~"))
-    if looks_local and not (local / "model_index.json").is_file():
-        raise UsageError(
-            f"'{path}' is not a diffusers Qwen-Image directory (no model_index.json).",
-            hint="Point model.path at a directory saved with save_pretrained, or use --preset tiny.",
-        )
-    try:
-        return QwenImagePipeline.from_pretrained(str(local) if looks_local else path, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise UsageError(
-            f"Could not load Qwen-Image from '{path}': it is not a local directory and the hub is unreachable "
-            "or does not have it.",
-            details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
-            hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
-        ) from exc
+    from omnirl_core.flow import load_diffusers_pipeline
+
+    return load_diffusers_pipeline(QwenImagePipeline, path, dtype, "Qwen-Image")
 
 
 def create_model(section: ModelSection, options: QwenImageOptions | None, device: Any) -> QwenImageModel:

@@ -84,16 +84,11 @@ def build_tiny_pipeline(seed: int = 0, tokenizer=None):
 
 
 def _widen_decoder_range(vae) -> None:
-    """Random VAE decoders map every latent to a nearly flat grey; rescale the last convolution so a unit
-    Gaussian latent decodes to pixels spread over most of [-1, 1]. Still random weights, just a different
-    init scale: a reward on colours then has room to move."""
-    with torch.no_grad():
-        probe = torch.randn(4, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-        out = vae.decode(probe, return_dict=False)[0]
-        conv = vae.decoder.conv_out
-        scale = 0.6 / max(out.std().item(), 1e-6)
-        conv.weight.mul_(scale)
-        conv.bias.zero_()
+    """A colour reward needs a decoder with dynamic range (see ``omnirl_core.tiny.widen_decoder_range``)."""
+    from omnirl_core.tiny import widen_decoder_range
+
+    widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out,
+                        (4, vae.config.z_dim, 1, 8, 8))
 
 
 def save_tiny(directory: str | Path, seed: int = 0) -> Path:
