@@ -29,10 +29,11 @@ PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a n
            'a label that says "TEA"', 'a door sign that says "EXIT"']
 
 
-def workload(prompts: int, reward: list[dict], workers: int) -> dict:
+def workload(args, reward: list[dict], workers: int) -> dict:
     return {
         "rewards": reward, "data": {"prompts": PROMPTS},
-        "rollout": {"prompts_per_step": prompts, "group_size": 4, "num_steps": 6, "height": 32, "width": 32,
+        "rollout": {"prompts_per_step": args.prompts, "group_size": 4, "num_steps": args.num_steps,
+                    "height": args.size, "width": args.size,
                     # step-wise batching with 4 slots: samples finish in waves and stream out
                     "options": {"max_num_seqs": 4}},
         "train": {"minibatches": 1},
@@ -84,21 +85,27 @@ def start_judge(latency: float) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2, help="steps per mode after one warm-up step")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (x 4 samples)")
-    parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts")
+    parser.add_argument("--steps", type=int, default=3, help="steps per mode after one warm-up step")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step (x 4 samples)")
+    parser.add_argument("--workers", type=int, default=4, help="reward threads for the judge (concurrent requests)")
+    parser.add_argument("--ocr-workers", type=int, default=1, help="reward threads for OCR (CPU-bound: they take "
+                        "cores from the rollout)")
+    parser.add_argument("--size", type=int, default=64, help="image height and width (pixels)")
+    parser.add_argument("--num-steps", type=int, default=10, help="sampling steps per image")
+    parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts, 32 px, 6 steps")
     parser.add_argument("--only", choices=("http_judge", "ocr"), default=None, help="run one scenario")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.prompts = 1, 4
+        args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
     tmp = Path(tempfile.mkdtemp(prefix="omnirl-bench-"))
-    result = {"environment": environment(), "samples_per_step": args.prompts * 4}
+    result = {"environment": environment(), "samples_per_step": args.prompts * 4, "size": args.size,
+              "num_steps": args.num_steps}
 
-    workers = 2
+    workers = args.workers
     if args.only != "ocr":
         run_judge(args, tmp, workers, result)
     if args.only != "http_judge":
-        run_ocr(args, tmp, workers, result)
+        run_ocr(args, tmp, args.ocr_workers, result)
     path = write("async_reward", result)
     for name in ("http_judge", "ocr"):
         part = result.get(name)
@@ -114,7 +121,7 @@ def main() -> None:
 
 def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     # the rollout time measured by warm-up steps sets the judge's latency
-    probe = controller(tmp / "probe", workload(args.prompts, [{"name": "jpeg"}], workers))
+    probe = controller(tmp / "probe", workload(args, [{"name": "jpeg"}], workers))
     probe.setup()
     probe.train_step(1)
     rollout_s = probe.train_step(2)["time/rollout_s"]
@@ -123,7 +130,7 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     judge, url = start_judge(latency)
     try:
         t0 = time.perf_counter()
-        ctl = controller(tmp / "judge", workload(args.prompts, [{"name": "http-judge", "options": {"url": url}}],
+        ctl = controller(tmp / "judge", workload(args, [{"name": "http-judge", "options": {"url": url}}],
                                                   workers))
         result["http_judge"] = {
             "note": "The judge is a stand-in served over HTTP on this machine in another process, with a set "
@@ -138,7 +145,7 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
 
 def run_ocr(args, tmp: Path, workers: int, result: dict) -> None:
     t0 = time.perf_counter()
-    ctl = controller(tmp / "ocr", workload(args.prompts, [{"name": "ocr"}], workers))
+    ctl = controller(tmp / "ocr", workload(args, [{"name": "ocr"}], workers))
     result["ocr"] = {
         "note": "Real OCR (RapidOCR, onnxruntime, 1 thread per call) on the same 2 CPU cores as the rollout: "
                 "the overlap can only use what the rollout leaves idle.",

@@ -68,3 +68,26 @@ def test_bypass_keeps_the_first_delta_and_step_diagnostics():
     assert diag["is/kl_k3"] > 0  # k3 = E[r - 1 - log r] >= 0, = 0 only at r = 1
     zero = step_diagnostics(torch.zeros(3))
     assert zero["is/kl_k3"] == 0.0 and zero["logprob/abs_delta_max"] == 0.0
+
+
+def test_minibatches_keep_samples_whole_and_ranks_take_whole_samples():
+    from omnirl_core.training import minibatches, rank_share
+
+    units, _ = _units([[0.0] * 3, [0.0] * 2, [0.0] * 3, [0.0]])
+    batches = minibatches(units, 2, step=4, shuffle=True)
+    assert sorted(id(u) for b in batches for u in b) == sorted(id(u) for u in units)
+    owner = {id(u.sample): i for i, b in enumerate(batches) for u in b}
+    assert all(owner[id(u.sample)] == i for i, b in enumerate(batches) for u in b)  # no sample split
+    shares = [rank_share(units, r, 2) for r in range(2)]
+    assert [len(s) for s in shares] == [6, 3]  # samples 0 and 2 (3 steps each) vs 1 and 3
+    assert {id(u.sample) for u in shares[0]}.isdisjoint({id(u.sample) for u in shares[1]})
+
+
+def test_fallback_monitor_needs_a_streak_in_bypass_mode():
+    from omnirl_core.correction import FallbackMonitor
+
+    monitor = FallbackMonitor(0.05, 3)
+    seen = [monitor.observe("bypass", {"rs/rejected_frac": f}) for f in (0.2, 0.2, 0.0, 0.1, 0.3, 0.06)]
+    assert seen == [False, False, False, False, False, True]
+    assert not monitor.observe("recompute", {"rs/rejected_frac": 1.0})
+    assert not FallbackMonitor(None, 1).observe("bypass", {"rs/rejected_frac": 1.0})

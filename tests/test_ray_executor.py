@@ -1,5 +1,5 @@
 """The Ray executor against the inline one: same seeds, same metrics (colocated and split placement,
-LoRA weights synced to the rollout worker); and its placement errors. Ray on this machine:
+LoRA weights synced to the rollout worker, a separate reference worker); and its placement errors. Ray on this machine:
 ``ray.init(num_cpus=2)``; the run's plugins are registered explicitly."""
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowg
 STEPS = 2
 
 
-def _resolved(out: Path, **run):
+def _resolved(out: Path, lora: bool = True, **run):
     manager = PluginManager()
     manager.load_modules(PLUGINS)
     layers = [{
-        "model": {"name": "qwen-image", "preset": "tiny", "lora": {"rank": 4, "alpha": 4}},
-        "algorithm": {"name": "flowgrpo"},
+        "model": {"name": "qwen-image", "preset": "tiny", "lora": {"enabled": lora, "rank": 4, "alpha": 4}},
+        "algorithm": {"name": "flowgrpo", "options": {"beta": 0.05}},  # a KL term: the reference is used
         "rewards": [{"name": "color"}],
         "rollout": {"prompts_per_step": 2, "group_size": 4, "num_steps": 3, "height": 32, "width": 32},
-        "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 8},
+        "train": {"lr": 1e-2 if lora else 1e-4, "minibatches": 2, "micro_batch_size": 8},
         "run": {"seed": 11, "steps": STEPS, "output_dir": str(out), "device": "cpu", "save_every": 100,
                 "sample_every": 100, **run},
     }]
     return resolve_run(manager, layers)
 
 
-def _metrics(out: Path, **run) -> list[dict]:
-    resolved = _resolved(out, **run)
+def _metrics(out: Path, lora: bool = True, **run) -> list[dict]:
+    resolved = _resolved(out, lora, **run)
     controller = Controller(resolved, out)
     controller.run_dir.prepare(resolved.dump(), [])
     controller.run()
@@ -87,6 +87,27 @@ def test_ray_split_run_syncs_lora_and_matches_inline(ray_cluster, inline_metrics
 
     lora = load_file(str(tmp_path / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors"))
     assert got[0]["sync/bytes"] == sum(t.numel() * 4 for t in lora.values())
+
+
+def test_ray_separate_reference_worker_matches_inline(ray_cluster, inline_metrics, tmp_path: Path):
+    got = _metrics(tmp_path, executor="ray", reference="separate", worker_cpus=0.5)
+    _same(inline_metrics, got)
+    assert all(r["kl"] > 0 for r in got)  # the KL term was computed, from the reference worker's outputs
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_inline_separate_reference_worker_matches_the_actor_reference(tmp_path: Path, lora: bool):
+    """The reference worker computes what the actor's own reference would (LoRA disabled, or the frozen
+    copy the actor keeps in full fine-tuning); with a separate worker the actor keeps no copy."""
+    own = _metrics(tmp_path / "own", lora)
+    resolved = _resolved(tmp_path / "separate", lora, reference="separate")
+    controller = Controller(resolved, tmp_path / "separate")
+    controller.run_dir.prepare(resolved.dump(), [])
+    controller.run()
+    _same(own, controller.run_dir.read_metrics())
+    assert all(r["kl"] > 0 for r in own[1:])
+    if not lora:
+        assert controller.executor.model._reference_copy is None
 
 
 def test_colocated_with_several_train_ranks_is_refused(tmp_path: Path):

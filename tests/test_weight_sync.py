@@ -1,9 +1,12 @@
 """Weight sync actor -> rollout between two workers with their own models (as in the split placement):
 LoRA-only or full state; after a sync, rollout and trainer log-probs agree again; a stale rollout shows
-up in the IS diagnostics and the RS mask rejects it."""
+up in the IS diagnostics and the RS mask rejects it; in bypass mode the mask of a sample uses all of its
+steps, and persistent rejections switch the run to recompute."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,3 +91,103 @@ def test_stale_rollout_is_seen_by_is_diagnostics_and_rejected_by_the_rs_mask(tmp
     assert metrics["is/kl_k3"] > 0
     assert 0.0 < metrics["rs/rejected_frac"] <= 1.0
     assert metrics["is/ess"] <= 1.0
+
+
+# -- bypass mode on a real model: the mask of a sample is decided once all its steps are seen ----------
+
+def _mismatched_units(tmp_path, old_logprob: str, band=None):
+    """Tiny Qwen-Image: the rollout worker's LoRA weights differ from the trainer's by a little noise (a
+    bad weight sync), so every step has its own delta; returns the pieces for two identical trainers."""
+    from omnirl_core.worker import Worker
+
+    controller, actor, rollout = _workers(tmp_path, True, lr=1e-2, old_logprob=old_logprob, micro_batch_size=1)
+    state = actor.trained_state()
+    gen = torch.Generator().manual_seed(0)
+    rollout.load_trained_state({k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in state.items()})
+    twin = Worker(controller.resolved, {"actor"}, algorithm=controller.algorithm)
+    twin.setup()
+    return controller, actor, twin, rollout, _rollout
+
+
+def _trained(worker) -> dict:
+    return {k: v.detach().clone() for k, v in worker.trained_state().items()}
+
+
+def test_bypass_mask_uses_every_step_of_a_sample_even_across_micro_batches(tmp_path):
+    controller, actor, twin, rollout, roll = _mismatched_units(tmp_path, "bypass")
+    cfg = controller.cfg.train
+    _, units = roll(controller, rollout, 1)
+    # per sample: the mean delta over all its steps vs over its first step only (what the first
+    # micro-batch of size 1 sees); pick a band edge between them for some sample, so its mask flips
+    from omnirl_core.policy_gradient import transition_stats
+
+    with torch.no_grad():
+        _, _, logp, _ = transition_stats(actor.model, units, units[0].sample.request.plan.eta)
+    delta = (logp - torch.stack([u.rollout_logprob for u in units])).tolist()
+    per_sample: dict[int, list[float]] = {}
+    for u, d in zip(units, delta):
+        per_sample.setdefault(id(u.sample), []).append(d)
+    pairs = [(ds[0], sum(ds) / len(ds)) for ds in per_sample.values()]
+    first, full = max(pairs, key=lambda p: abs(p[0] - p[1]))
+    assert abs(first - full) > 1e-4, "the steps of a sample should disagree"
+    edge = (first + full) / 2
+    cfg.rs_band = (math.exp(edge), 100.0) if full > first else (1e-3, math.exp(edge))
+
+    # one micro-batch per unit: masks are decided progressively and fixed after the minibatch
+    cfg.micro_batch_size = 1
+    progressive = actor.update(units, 1)
+    assert progressive["rs/corrected_units"] > 0
+    # one micro-batch holding everything: every mask is final from the start
+    _, units_again = roll(controller, rollout, 1)
+    cfg.micro_batch_size = len(units_again)
+    at_once = twin.update(units_again, 1)
+    assert at_once["rs/corrected_units"] == 0
+    assert progressive["rs/rejected_frac"] == pytest.approx(at_once["rs/rejected_frac"])
+    assert 0 < at_once["rs/rejected_frac"] < 1
+    a, b = _trained(actor), _trained(twin)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_bypass_falls_back_to_recompute_when_rejections_persist_and_resume_keeps_it(tmp_path):
+    """Inline run, bypass mode; after each rollout the trainer's LoRA weights are nudged (what a stale or
+    mismatched rollout engine does to the log-probs), so the RS mask rejects samples at every step."""
+
+    def controller(steps: int) -> Controller:
+        manager = PluginManager()
+        manager.load_modules(PLUGINS)
+        resolved = resolve_run(manager, [{
+            "model": {"name": "qwen-image", "preset": "tiny", "lora": {"rank": 4, "alpha": 4}},
+            "algorithm": {"name": "flowgrpo"}, "rewards": [{"name": "color"}],
+            "rollout": {"prompts_per_step": 2, "group_size": 2, "num_steps": 3, "height": 32, "width": 32},
+            "train": {"old_logprob": "bypass", "rs_band": [0.9999, 1.0001], "rs_fallback": 0.05,
+                      "rs_fallback_steps": 2},
+            "run": {"seed": 3, "steps": steps, "save_every": 3, "output_dir": str(tmp_path), "device": "cpu"},
+        }])
+        ctl = Controller(resolved, tmp_path)
+        ctl.run_dir.prepare(resolved.dump(), [])
+        rollout = ctl.executor.rollout
+        gen = torch.Generator().manual_seed(1)
+
+        def mismatched(requests):
+            out = rollout(requests)
+            with torch.no_grad():
+                for p in ctl.executor.model.trainable_parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            return out
+
+        ctl.executor.rollout = mismatched
+        return ctl
+
+    first = controller(3)
+    first.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rs/rejected_frac"] > 0.05 for r in records[:2]] == [True, True]
+    assert [r["correction/recompute"] for r in records] == [0.0, 0.0, 1.0]
+    assert records[1].get("correction/fallback") == 1.0 and "correction/fallback" not in records[0]
+    assert first.cfg.train.old_logprob == "recompute"
+    # the saved config still says bypass; the checkpoint carries the switch
+    resumed = controller(4)
+    assert resumed.cfg.train.old_logprob == "bypass"
+    resumed.run()
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4 and last["correction/recompute"] == 1.0

@@ -79,6 +79,12 @@ class TrainSection(Section):
     rs_aggregate: Literal["mean", "sum"] = Field(
         "mean", description="Sequence IS weight from the mean or the sum of the per-step log-prob deltas."
     )
+    rs_fallback: float | None = Field(
+        0.05, ge=0, le=1,
+        description="Bypass mode: switch to recompute for the rest of the run when the RS mask's rejected "
+        "fraction stays above this for rs_fallback_steps steps; None never switches.",
+    )
+    rs_fallback_steps: int = Field(3, ge=1, description="Consecutive steps above rs_fallback before switching.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the training engine.")
 
 
@@ -111,6 +117,11 @@ class RunSection(Section):
         "colocated",
         description="Ray: actor and rollout in one worker (no weight copy), or in separate workers (weights "
         "synced after each update).",
+    )
+    reference: Literal["actor", "separate"] = Field(
+        "actor",
+        description="Where the reference policy (KL term) is evaluated: in the actor (LoRA disabled, or a frozen "
+        "copy for full fine-tuning) or in a separate reference worker (the actor then keeps no copy).",
     )
     train_workers: int = Field(
         1, ge=1, description="Ray: training ranks (a torch.distributed group; >1 needs placement 'split' and a "

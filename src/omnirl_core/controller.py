@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.correction import FallbackMonitor
 from omnirl_core.data import PromptSampler, load_records
 from omnirl_core.errors import ConfigError
 from omnirl_core.executors import make_executor
@@ -52,6 +53,7 @@ class Controller:
         self.records = self._records()
         self.prompts = PromptSampler([r["prompt"] for r in self.records], self.cfg.run.seed)
         self.start_step = 1
+        self.fallback = FallbackMonitor(self.cfg.train.rs_fallback, self.cfg.train.rs_fallback_steps)
 
     def _records(self) -> list[dict[str, Any]]:
         source = self.cfg.data.prompts
@@ -91,12 +93,22 @@ class Controller:
             self.start_step = int(state["step"]) + 1
             if hasattr(self.algorithm, "load_state") and "algorithm" in state:
                 self.algorithm.load_state(state["algorithm"])
+            correction = state.get("correction", {})
+            self.fallback.load_state(correction)
+            if correction.get("old_logprob", self.cfg.train.old_logprob) != self.cfg.train.old_logprob:
+                self.set_old_logprob(correction["old_logprob"])
             self.run_dir.truncate_metrics(int(state["step"]))
             log.info("resumed from %s (step %d)", ckpt, state["step"])
 
     def checkpoint(self, step: int) -> Path:
-        extra = {"algorithm": self.algorithm.state() if hasattr(self.algorithm, "state") else {}}
+        extra = {"algorithm": self.algorithm.state() if hasattr(self.algorithm, "state") else {},
+                 "correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()}}
         return self.executor.save(self.run_dir.path, step, extra)
+
+    def set_old_logprob(self, mode: str) -> None:
+        """Switch the rollout-correction mode for the following steps (every worker's algorithm reads it)."""
+        self.cfg.train.old_logprob = mode
+        self.executor.set_old_logprob(mode)
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
@@ -108,6 +120,15 @@ class Controller:
         adv_metrics = self.algorithm.assign_advantages(samples)
         units = self.algorithm.training_units(samples)
         train_metrics = self.executor.update(self.algorithm, units, step)
+        train_metrics["correction/recompute"] = float(self.cfg.train.old_logprob == "recompute")
+        if self.fallback.observe(self.cfg.train.old_logprob, train_metrics):
+            log.warning(
+                "rollout correction: the RS mask rejected more than %.0f%% of the samples for %d steps in a row "
+                "(last: %.1f%%); the rollout's log-probs no longer stand in for the old policy. Switching to "
+                "train.old_logprob=recompute from step %d on.", 100 * self.cfg.train.rs_fallback,
+                self.cfg.train.rs_fallback_steps, 100 * train_metrics["rs/rejected_frac"], step + 1)
+            self.set_old_logprob("recompute")
+            train_metrics["correction/fallback"] = 1.0
         t2 = time.perf_counter()
         sync_metrics = self.executor.sync_weights()
         t3 = time.perf_counter()

@@ -8,8 +8,17 @@ be formed even when its steps are spread over several micro-batches.
 
 Recompute mode: every delta is recorded in ``prepare`` (one extra forward), before any loss, so the
 sequence weights are exact. Bypass mode skips that forward: each step's delta comes from its own first
-(detached) evaluation in the loss, and a sample's weight uses the steps recorded so far; the step-level
-diagnostics are reported from the first minibatch only (later ones already include the update).
+(detached) evaluation in the loss. Minibatches hold whole samples (``training.minibatches``), so all
+steps of a sample are evaluated at the same weights; a unit's mask is decided from its sample's steps seen
+so far, and ``FlowPolicyGradient.finish_minibatch`` returns the units whose mask changed once the sample
+was complete, for the engine to fix before the optimizer step (``training.rs_corrections``). In the first
+minibatch the weights are the rollout's (up to the engine mismatch), so w measures the mismatch exactly;
+later minibatches also see the policy's drift since the rollout, which bypass mode treats as
+off-policyness just as its PPO ratio exp(current - rollout) does. The step-level diagnostics are
+reported from the first minibatch only.
+
+``FallbackMonitor``: in bypass mode, when the rejected fraction stays above a threshold for a number of
+steps, the run switches to recompute mode (ALGORITHMS.md: fall back to recompute if it stays > 5 %).
 """
 
 from __future__ import annotations
@@ -88,3 +97,28 @@ def sequence_diagnostics(units: list[Any], log_w: torch.Tensor, mask: torch.Tens
         "is/ess": ess,
         "rs/rejected_frac": float(1.0 - mask[idx].mean()),
     }
+
+
+class FallbackMonitor:
+    """Bypass -> recompute when the RS mask keeps rejecting: the rollout's log-probs are then too far from
+    the trainer's to stand in for the old policy. Counts consecutive steps whose ``rs/rejected_frac``
+    exceeds ``threshold``; ``observe`` answers True once, at the step the streak reaches ``steps``."""
+
+    def __init__(self, threshold: float | None, steps: int):
+        self.threshold = threshold
+        self.steps = steps
+        self.streak = 0
+
+    def observe(self, mode: str, metrics: dict[str, float]) -> bool:
+        frac = metrics.get("rs/rejected_frac")
+        if mode != "bypass" or self.threshold is None or frac is None:
+            self.streak = 0
+            return False
+        self.streak = self.streak + 1 if frac > self.threshold else 0
+        return self.streak >= self.steps
+
+    def state(self) -> dict[str, int]:
+        return {"streak": self.streak}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.streak = int(state.get("streak", 0))

@@ -9,6 +9,7 @@ The interface the controller uses:
   rollout(requests) -> (samples, metrics)   generate and score; async rewards overlap the rollout
   update(algorithm, units, step) -> metrics one training step on the actor group
   sync_weights() -> metrics                 actor -> rollout weights (nothing when colocated)
+  set_old_logprob(mode)                     rollout-correction mode of the actor workers' algorithms
   save(run_dir, step, extra) / load(path)   checkpoints
   close()
 """
@@ -22,7 +23,7 @@ from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.rewards import RewardFn, RewardSet, RewardStream
-from omnirl_core.worker import Worker
+from omnirl_core.worker import Worker, attach_reference, reference_placement
 
 
 def build_rewards(resolved: ResolvedRun) -> RewardSet:
@@ -55,6 +56,7 @@ class InlineExecutor:
     def __init__(self, resolved: ResolvedRun):
         self.resolved = resolved
         self.worker: Worker | None = None
+        self.reference: Worker | None = None
         self.rewards: RewardSet | None = None
         self.stream: RewardStream | None = None
 
@@ -71,6 +73,9 @@ class InlineExecutor:
         run = self.resolved.config.run
         self.worker = Worker(self.resolved, {"actor", "rollout"}, algorithm=algorithm)
         self.worker.setup()
+        if reference_placement(self.resolved, algorithm) == "separate":
+            self.reference = Worker(self.resolved, {"reference"}, algorithm=algorithm)
+            self.reference.setup()
         self.rewards = build_rewards(self.resolved)
         self.stream = RewardStream(self.rewards, run.reward_workers, run.reward_mode)
 
@@ -89,10 +94,16 @@ class InlineExecutor:
 
     def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
         assert self.worker is not None
+        if self.reference is not None:
+            attach_reference(units, self.reference.reference_outputs(units))
         return self.worker.update(units, step, algorithm)
 
     def sync_weights(self) -> dict[str, float]:
         return {}  # one model serves rollout and training
+
+    def set_old_logprob(self, mode: str) -> None:
+        assert self.worker is not None
+        self.worker.set_old_logprob(mode)
 
     def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
         from omnirl_core.checkpoint import save_checkpoint

@@ -24,6 +24,9 @@ from omnirl_core.correction import (
 from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
 from omnirl_core.sampler import gaussian_kl, step_mean, transition_logprob
 
+RS_KEEP = "rs_keep"
+"""``Transition.extras`` key: the RS mask (1.0 kept, 0.0 rejected) applied to the unit's loss."""
+
 
 @dataclass
 class Transition:
@@ -92,6 +95,9 @@ class FlowPolicyGradient:
     """FlowGRPO's structure. Subclasses read these option names from their own config class:
     ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
 
+    reference_fields = ("ref_mean",)
+    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
+
     needs_old_mean = False
     """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``
     then computes them in bypass mode too."""
@@ -132,12 +138,16 @@ class FlowPolicyGradient:
             if self.recompute:
                 # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
                 metrics.update(step_diagnostics(record_deltas(units, logp)))
-        if self.uses_reference:
+        if self.uses_reference and any(u.ref_mean is None for u in units):
             with model.reference():
-                ref_mean, _, _, _ = transition_stats(model, units, eta)
-            for u, m in zip(units, ref_mean):
-                u.ref_mean = m.detach()
+                self.reference_prepare(model, units)
         return metrics
+
+    def reference_prepare(self, model: Any, units: list[Transition]) -> None:
+        """Without grad, ``model`` being the reference policy: its transition means."""
+        ref_mean, _, _, _ = transition_stats(model, units, units[0].sample.request.plan.eta)
+        for u, m in zip(units, ref_mean):
+            u.ref_mean = m.detach()
 
     def surrogate(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, units: list[Transition],
                   mean: torch.Tensor, std: torch.Tensor, batch: TransitionBatch) -> tuple[torch.Tensor, dict]:
@@ -149,21 +159,31 @@ class FlowPolicyGradient:
             "ratio/mean": float(ratio.detach().mean()),
         }
 
-    def loss(self, model: Any, units: list[Transition], first_update: bool = False):
+    def loss(self, model: Any, units: list[Transition], first_update: bool = False, correction: bool = False):
+        """The policy loss of a micro-batch (mean over its units) and metrics.
+
+        Rollout correction: a sample whose sequence IS weight leaves ``train.rs_band`` is rejected whole
+        (loss weight 0); the mask applied to each unit is remembered. ``correction=True`` (bypass mode,
+        after the minibatch, see ``finish_minibatch``): re-evaluates units whose sample's mask changed once
+        all its steps were seen and returns (final - applied mask) x their policy loss, nothing else."""
         eta = units[0].sample.request.plan.eta
         mean, std, logp, batch = transition_stats(model, units, eta)
         rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
         old = torch.stack([u.old_logprob for u in units]).to(logp.device) if self.recompute else rollout
         adv = torch.tensor([u.sample.advantage for u in units], device=logp.device)
-        if not self.recompute:
+        if not self.recompute and not correction:
             delta = record_deltas(units, logp, overwrite=False)
-        # RS mask: a sample whose sequence IS weight leaves the band is rejected whole (weight 0)
-        log_w = sequence_log_weights(units, self.config.train.rs_aggregate)
-        keep = rs_mask(log_w, self.config.train.rs_band).to(logp.device)
+        keep = rs_mask(sequence_log_weights(units, self.config.train.rs_aggregate), self.config.train.rs_band)
         per_unit, metrics = self.surrogate(logp, old, adv, units, mean, std, batch)
-        policy_loss = (per_unit * keep).mean()
+        if correction:
+            applied = torch.tensor([u.extras[RS_KEEP] for u in units])
+            for u, k in zip(units, keep.tolist()):
+                u.extras[RS_KEEP] = k
+            return (per_unit * (keep - applied).to(logp.device)).mean(), {}
+        for u, k in zip(units, keep.tolist()):
+            u.extras[RS_KEEP] = k
+        policy_loss = (per_unit * keep.to(logp.device)).mean()
         metrics["policy_loss"] = float(policy_loss.detach())
-        metrics.update(sequence_diagnostics(units, log_w, keep.cpu()))
         loss = policy_loss
         if self.uses_reference:
             # KL between the policy's and the reference's Gaussian transitions, closed form
@@ -176,3 +196,15 @@ class FlowPolicyGradient:
         if first_update and not self.recompute:
             metrics.update(step_diagnostics(delta))
         return loss, metrics
+
+    def finish_minibatch(self, units: list[Transition]) -> tuple[list[Transition], dict[str, float]]:
+        """After all micro-batches of a minibatch (whole samples): the sequence weights from every step of
+        each sample, their diagnostics, and the units whose applied mask differs from the final one.
+
+        Recompute mode: every delta was recorded in ``prepare``, so the masks were final from the start.
+        Bypass mode: a unit's mask was decided from the steps of its sample seen so far; the engine re-runs
+        the units returned here with ``loss(..., correction=True)`` before the optimizer step."""
+        log_w = sequence_log_weights(units, self.config.train.rs_aggregate)
+        keep = rs_mask(log_w, self.config.train.rs_band)
+        fix = [u for u, k in zip(units, keep.tolist()) if u.extras.get(RS_KEEP, k) != k]
+        return fix, sequence_diagnostics(units, log_w, keep)

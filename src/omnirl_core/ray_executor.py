@@ -26,7 +26,7 @@ from omnirl_core.errors import UsageError
 from omnirl_core.executors import WorkerCheckpoint, build_rewards
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.worker import Worker
+from omnirl_core.worker import Worker, attach_reference, reference_placement
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -56,11 +56,19 @@ class WorkerActor:
     def generate(self, requests: list[GenRequest]):
         yield from self.worker.generate(requests)
 
-    def update(self, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, units: list[Any], step: int, reference: list[dict[str, Any]] | None = None) -> dict[str, float]:
+        if reference is not None:
+            attach_reference(units, reference)
         return self.worker.update(units, step)
+
+    def reference_outputs(self, units: list[Any]) -> list[dict[str, Any]]:
+        return self.worker.reference_outputs(units)
 
     def trained_state(self) -> dict[str, Any] | None:
         return self.worker.trained_state()
+
+    def set_old_logprob(self, mode: str) -> None:
+        self.worker.set_old_logprob(mode)
 
     def load_trained_state(self, state: dict[str, Any]) -> int:
         from omnirl_core.weight_sync import state_bytes
@@ -125,6 +133,7 @@ class RayExecutor:
         self.colocated = run.placement == "colocated"
         self.train: list[Any] = []
         self.rollout_worker: Any = None
+        self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
         self.pools: list[Any] = []
         self._started_ray = False
@@ -185,6 +194,9 @@ class RayExecutor:
         else:
             rollout_pool = self._pool("rollout", [_bundle(worker_opts)])
             self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1)
+        if reference_placement(r, algorithm) == "separate":
+            reference_pool = self._pool("reference", [_bundle(worker_opts)])
+            self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1)
         reward_opts = self._reward_options()
         reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
         self.reward_actors = [self._place(RewardActor, reward_pool, i, reward_opts, r)
@@ -207,7 +219,8 @@ class RayExecutor:
         return options
 
     def _workers(self) -> list[Any]:
-        return self.train if self.colocated else [*self.train, self.rollout_worker]
+        workers = self.train if self.colocated else [*self.train, self.rollout_worker]
+        return [*workers, self.reference_worker] if self.reference_worker is not None else workers
 
     # -- the step ------------------------------------------------------------------------------
     def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
@@ -247,7 +260,15 @@ class RayExecutor:
         import ray
 
         ref = ray.put(units)
-        return ray.get([w.update.remote(ref, step) for w in self.train])[0]
+        reference = None
+        if self.reference_worker is not None:  # the reference group's outputs go to every rank
+            reference = self.reference_worker.reference_outputs.remote(ref)
+        return ray.get([w.update.remote(ref, step, reference) for w in self.train])[0]
+
+    def set_old_logprob(self, mode: str) -> None:
+        import ray
+
+        ray.get([w.set_old_logprob.remote(mode) for w in self.train])
 
     def sync_weights(self) -> dict[str, float]:
         import ray
@@ -288,11 +309,11 @@ class RayExecutor:
 
         if not ray.is_initialized():
             return
-        for actor in [*self.train, *([] if self.colocated else [self.rollout_worker]), *self.reward_actors]:
+        for actor in [*self._workers(), *self.reward_actors]:
             if actor is not None:
                 ray.kill(actor)
         for pool in self.pools:
             ray.util.remove_placement_group(pool)
-        self.train, self.reward_actors, self.pools = [], [], []
+        self.train, self.reward_actors, self.pools, self.reference_worker = [], [], [], None
         if self._started_ray:
             ray.shutdown()

@@ -15,6 +15,7 @@ import torch
 from omnirl_core.advantage import assign_group_advantages
 from omnirl_core.ar import completion_tokens
 from omnirl_core.config import RunConfig
+from omnirl_core.correction import rs_mask, sequence_diagnostics
 from omnirl_core.interfaces import RolloutPlan, Sample
 
 AR_PLAN = RolloutPlan(step_kinds=(), train_steps=())
@@ -28,6 +29,8 @@ class SequenceUnit:
     sample: Sample
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    log_weight: float = 0.0
+    """Recompute mode: log of the sequence IS weight, from ``prepare``."""
 
     @property
     def rollout_logprobs(self) -> torch.Tensor:
@@ -48,6 +51,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
+def sequence_log_weights(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
+                         aggregate: str = "mean") -> torch.Tensor:
+    """log w per sequence from its token deltas (trainer - rollout), mean or sum over real tokens: (N,)."""
+    delta = (logp.detach().float() - rollout.float()) * mask
+    return delta.sum(-1) / mask.sum(-1).clamp_min(1.0) if aggregate == "mean" else delta.sum(-1)
+
+
 def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Trainer vs rollout log-probs per token: |delta| mean / max and the k3 estimate of KL(rollout || train)."""
     delta = (logp.detach() - rollout)[mask.bool()].double()
@@ -61,6 +71,9 @@ def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tens
 class TokenPolicyGradient:
     """Group-normalised advantages, old log-probs (recomputed or the rollout's), optional KL to the
     reference. Subclasses read ``adv_clip``, ``global_std`` and ``beta`` from their own config class."""
+
+    reference_fields = ("ref_logprobs",)
+    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
 
     def __init__(self, options: Any, config: RunConfig):
         self.options = options
@@ -97,11 +110,18 @@ class TokenPolicyGradient:
             logp, mask = padded(old, model.device)
             rollout, _ = padded([u.rollout_logprobs for u in units], model.device)
             metrics.update(mismatch_metrics(logp, rollout, mask))
-        if self.uses_reference:
+            log_w = sequence_log_weights(logp, rollout, mask, self.config.train.rs_aggregate)
+            for u, w in zip(units, log_w.tolist()):
+                u.log_weight = w
+        if self.uses_reference and any(u.ref_logprobs is None for u in units):
             with model.reference():
-                for u, lp in zip(units, self._logprobs(model, units)):
-                    u.ref_logprobs = lp.detach()
+                self.reference_prepare(model, units)
         return metrics
+
+    def reference_prepare(self, model: Any, units: list[SequenceUnit]) -> None:
+        """Without grad, ``model`` being the reference policy: its per-token log-probs."""
+        for u, lp in zip(units, self._logprobs(model, units)):
+            u.ref_logprobs = lp.detach()
 
     def surrogate(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                   adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -114,8 +134,16 @@ class TokenPolicyGradient:
         rollout, _ = padded([u.rollout_logprobs for u in units], device)
         old = padded([u.old_logprobs for u in units], device)[0] if self.recompute else rollout
         adv = torch.tensor([u.sample.advantage for u in units], device=device)
+        # rollout correction: a sequence whose IS weight (trainer vs rollout) leaves train.rs_band is
+        # rejected whole. One unit is one whole sequence, so the weight is exact in both modes.
+        if self.recompute:
+            log_w = torch.tensor([u.log_weight for u in units], dtype=torch.float32)
+        else:
+            log_w = sequence_log_weights(logp, rollout, mask, self.config.train.rs_aggregate).cpu()
+        keep = rs_mask(log_w, self.config.train.rs_band)
         per_seq, metrics = self.surrogate(logp, old, mask, adv)
-        policy_loss = per_seq.mean()
+        metrics.update(sequence_diagnostics(units, log_w, keep))
+        policy_loss = (per_seq * keep.to(device)).mean()
         metrics["policy_loss"] = float(policy_loss.detach())
         loss = policy_loss
         if self.uses_reference:

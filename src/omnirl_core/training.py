@@ -12,7 +12,10 @@ def chunks(items: list[Any], size: int) -> list[list[Any]]:
 
 
 def split_even(items: list[Any], parts: int) -> list[list[Any]]:
-    """``parts`` contiguous pieces whose sizes differ by at most one (some empty when parts > len)."""
+    """``parts`` contiguous pieces whose sizes differ by at most one (some empty when parts > len; none when
+    parts is 0)."""
+    if parts <= 0:
+        return []
     base, extra = divmod(len(items), parts)
     out, start = [], 0
     for i in range(parts):
@@ -38,8 +41,9 @@ class MetricMean:
                 self.sums[key] += float(value) * weight
                 self.weights[key] += weight
 
-    def all_reduce(self) -> None:
-        """Combine every rank's metrics (all ranks call this with the same keys)."""
+    def all_reduce(self, device: Any = "cpu") -> None:
+        """Combine every rank's metrics (all ranks call this with the same keys); ``device``: where the
+        backend's tensors live (CPU for gloo, the accelerator for nccl / hccl)."""
         import torch
         import torch.distributed as dist
 
@@ -47,16 +51,17 @@ class MetricMean:
             return
         keys, max_keys = sorted(self.sums), sorted(self.maxes)
         digest = int.from_bytes(hashlib.sha1("|".join(keys + ["#"] + max_keys).encode()).digest()[:7], "big")
-        check = torch.tensor([digest, -digest], dtype=torch.int64)
+        check = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX)
         if int(check[0]) != digest or int(check[1]) != -digest:
             raise RuntimeError("train ranks reported different metric names; every rank must log the same keys")
-        sums = torch.tensor([[self.sums[k], self.weights[k]] for k in keys], dtype=torch.float64).reshape(-1, 2)
+        sums = torch.tensor([[self.sums[k], self.weights[k]] for k in keys], dtype=torch.float64,
+                            device=device).reshape(-1, 2)
         dist.all_reduce(sums)
         for k, (s, w) in zip(keys, sums.tolist()):
             self.sums[k], self.weights[k] = s, w
         if max_keys:
-            maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64)
+            maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64, device=device)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
             self.maxes.update(zip(max_keys, maxes.tolist()))
 
@@ -75,13 +80,44 @@ def prepare_all(algorithm: Any, model: Any, units: list[Any], micro_batch_size: 
             metrics.add(algorithm.prepare(model, micro), len(micro))
 
 
+def sample_blocks(units: list[Any]) -> list[list[Any]]:
+    """Units grouped by the sample they come from (a unit without ``.sample`` is its own group), in order."""
+    groups: dict[int, list[Any]] = {}
+    for unit in units:
+        groups.setdefault(id(getattr(unit, "sample", unit)), []).append(unit)
+    return list(groups.values())
+
+
 def minibatches(units: list[Any], count: int, step: int, shuffle: bool) -> list[list[Any]]:
-    """Units shuffled (seeded by step, so every rank and every engine agrees) and split into ``count``."""
+    """Whole samples shuffled (seeded by step, so every rank and every engine agrees) and split into
+    ``count`` minibatches: all trained steps of a sample land in one minibatch, so its sequence IS weight
+    is formed from evaluations at the same weights (rollout correction)."""
     import torch
 
-    order = list(range(len(units)))
+    blocks = sample_blocks(units)
+    order = list(range(len(blocks)))
     if shuffle:
-        order = torch.randperm(len(units), generator=torch.Generator().manual_seed(step)).tolist()
-    ordered = [units[i] for i in order]
-    size = -(-len(units) // min(count, len(units)))
-    return chunks(ordered, size)
+        order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(step)).tolist()
+    size = -(-len(blocks) // min(count, len(blocks)))
+    ordered = [blocks[i] for i in order]
+    return [[u for block in ordered[i:i + size] for u in block] for i in range(0, len(ordered), size)]
+
+
+def rank_share(units: list[Any], rank: int, world_size: int) -> list[Any]:
+    """A rank's share of a minibatch: every world-th sample, whole (its steps stay on one rank)."""
+    return [u for block in sample_blocks(units)[rank::world_size] for u in block]
+
+
+def rs_corrections(algorithm: Any, units: list[Any], metrics: MetricMean) -> list[Any]:
+    """After a minibatch's micro-batches, before its optimizer step: the algorithm's sequence-level
+    diagnostics over the whole samples, and the units whose rejection-sampling mask changed once all of
+    their sample's steps were seen (bypass mode). The engine re-runs those with ``loss(..., correction=True)``,
+    which adds (final mask - applied mask) x their loss, so the gradient equals masking with the final
+    weights from the start. Rejections are rare, so this costs little; algorithms without the method: []."""
+    finish = getattr(algorithm, "finish_minibatch", None)
+    if finish is None or not units:
+        return []
+    fix, seq_metrics = finish(units)
+    metrics.add(seq_metrics, len(sample_blocks(units)))
+    metrics.add({"rs/corrected_units": float(len(fix))}, 1.0)
+    return fix

@@ -1,5 +1,6 @@
 """A worker: one process's share of a run. Roles: ``actor`` (model + train engine), ``rollout`` (model +
-rollout engine). ``actor`` and ``rollout`` together are colocated: one model, no weight copy.
+rollout engine), ``reference`` (the frozen base model, evaluated for the KL term when
+``run.reference=separate``). ``actor`` and ``rollout`` together are colocated: one model, no weight copy.
 
 The inline executor runs one worker in the controller's process; the Ray executor runs the same class
 inside Ray actors, so both executors compute the very same numbers.
@@ -18,12 +19,36 @@ from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.weight_sync import export_trained_state, import_trained_state
 
-ROLES = frozenset({"actor", "rollout"})
+ROLES = frozenset({"actor", "rollout", "reference"})
 OPTIMIZER_META = "optimizer.json"
 
 
 def build_algorithm(resolved: ResolvedRun) -> Any:
     return resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), resolved.config)
+
+
+def reference_placement(resolved: ResolvedRun, algorithm: Any) -> str | None:
+    """Where the run's reference policy is evaluated: None (the algorithm uses none), 'actor' or 'separate'."""
+    if not (resolved.algorithm.needs_reference and getattr(algorithm, "uses_reference", True)):
+        return None
+    if resolved.config.run.reference == "actor":
+        return "actor"
+    if not hasattr(algorithm, "reference_prepare"):
+        raise UsageError(
+            f"Algorithm '{resolved.algorithm.name}' evaluates its reference inside the actor only; "
+            "run.reference=separate needs an algorithm with reference_prepare / reference_fields.",
+            hint="Set run.reference=actor.",
+        )
+    return "separate"
+
+
+def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
+    """Put a reference worker's outputs (``Worker.reference_outputs``) on the actor's copy of the units."""
+    if len(payload) != len(units):
+        raise RuntimeError(f"reference worker returned {len(payload)} results for {len(units)} units")
+    for unit, fields in zip(units, payload):
+        for name, value in fields.items():
+            setattr(unit, name, value)
 
 
 def torch_device(resolved: ResolvedRun) -> Any:
@@ -65,15 +90,18 @@ class Worker:
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
         self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
+        if self.algorithm is None and self.roles & {"actor", "reference"}:
+            self.algorithm = build_algorithm(r)
         if "actor" in self.roles:
-            if self.algorithm is None:
-                self.algorithm = build_algorithm(r)
-            need_ref = r.algorithm.needs_reference and getattr(self.algorithm, "uses_reference", True)
+            # with a separate reference worker the actor keeps no frozen copy (full fine-tuning)
+            need_ref = reference_placement(r, self.algorithm) == "actor"
             self.model.setup_training(cfg.model.lora, need_reference=need_ref)
             self.trainer = r.train_engine.load_factory()(self.model, cfg.train, r.options.get("train.options"),
                                                          device)
         else:
-            # a rollout-only worker carries the same adapter layout so that synced LoRA weights load
+            # a rollout-only worker carries the same adapter layout so that synced LoRA weights load; a
+            # reference worker never trains: with LoRA it evaluates with the adapters disabled (the actor's
+            # own reference path), in full fine-tuning the loaded weights are the reference
             self.model.setup_training(cfg.model.lora, need_reference=False)
         if "rollout" in self.roles:
             self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
@@ -86,9 +114,30 @@ class Worker:
         with hook(self.model) if hook is not None else nullcontext():
             yield from self.rollout.generate(requests)
 
+    # -- reference -----------------------------------------------------------------------------
+    def reference_outputs(self, units: list[Any]) -> list[dict[str, Any]]:
+        """The reference policy's outputs for ``units`` (the algorithm's ``reference_fields``), computed
+        without grad in micro-batches; what the actor would compute in its own ``prepare``."""
+        import torch
+
+        from omnirl_core.training import chunks
+
+        context = self.model.reference() if getattr(self.model, "lora", None) is not None else nullcontext()
+        with torch.no_grad(), context:
+            for micro in chunks(units, self.resolved.config.train.micro_batch_size):
+                self.algorithm.reference_prepare(self.model, micro)
+        fields = self.algorithm.reference_fields
+        return [{name: getattr(u, name) for name in fields} for u in units]
+
     # -- training ------------------------------------------------------------------------------
     def update(self, units: list[Any], step: int, algorithm: Any = None) -> dict[str, float]:
         return self.trainer.update(algorithm or self.algorithm, units, step)
+
+    def set_old_logprob(self, mode: str) -> None:
+        """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""
+        self.resolved.config.train.old_logprob = mode
+        if self.algorithm is not None and getattr(self.algorithm, "config", None) is not None:
+            self.algorithm.config.train.old_logprob = mode
 
     # -- weight sync ---------------------------------------------------------------------------
     def trained_state(self) -> dict[str, Any] | None:

@@ -129,6 +129,32 @@ def test_kl_to_the_reference_is_the_k3_estimate():
     assert not GSPO(None, RunConfig()).uses_reference  # beta 0: no reference forward
 
 
+@pytest.mark.parametrize("mode", ["recompute", "bypass"])
+def test_rs_mask_rejects_a_sequence_whose_rollout_logprobs_disagree(mode: str):
+    """Rollout correction on token sequences: the rollout engine's log-probs of the second sequence are 1.0
+    lower per token than the trainer's, so its IS weight is e > 2 and the band [0.5, 2] rejects it whole."""
+    current = _rows([-1.0, -2.0], [-0.5])
+    rollout = _rows([-1.0, -2.0], [-1.5])
+    samples = [SimpleNamespace(logprobs=r.clone(), advantage=1.0,
+                               extras={"prompt": None, "completion": torch.zeros(len(r)), "sampling": None})
+               for r in rollout]
+    config = RunConfig()
+    config.train.old_logprob = mode
+    algo = GSPO(None, config)
+    units = [SequenceUnit(s) for s in samples]
+    policy = _FakePolicy(current, current)
+    algo.prepare(policy, units)
+    loss, metrics = algo.loss(policy, units)
+    assert metrics["rs/rejected_frac"] == pytest.approx(0.5)
+    assert metrics["is/seq_weight_max"] == pytest.approx(math.e, rel=1e-5)
+    old = padded(current if mode == "recompute" else rollout, "cpu")[0]
+    logp, mask = padded(current, "cpu")
+    per_seq, _ = algo.surrogate(logp, old, mask, torch.ones(2))
+    assert float(loss) == pytest.approx(float(per_seq[0]) / 2)  # only the first sequence counts
+    config.train.rs_band = None
+    assert algo.loss(policy, units)[1]["rs/rejected_frac"] == 0.0
+
+
 def test_no_model_is_named_in_the_algorithm_code():
     text = " ".join(p.read_text().lower() for p in PLUGIN.glob("*.py"))
     for name in ("qwen", "thinker", "wan2", "sd3", "llama"):

@@ -101,6 +101,9 @@ def _adaptive(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 
 
 class DiffusionNFT:
+    reference_fields = ("v_ref",)
+    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
+
     def __init__(self, options: NFTConfig | None, config: RunConfig):
         self.options = o = options or NFTConfig()
         self.config = config
@@ -177,6 +180,11 @@ class DiffusionNFT:
         cond = Conditioning.cat([u.cond for u in units]).to(device)
         return model.velocity(noised(x0, eps, s), s, cond, 1.0, None).float()
 
+    def reference_prepare(self, model: Any, units: list[NFTUnit]) -> None:
+        """Without grad, ``model`` being the reference (base) policy: its velocities."""
+        for u, v in zip(units, self._velocity(model, units)):
+            u.v_ref = v.detach()
+
     def prepare(self, model: Any, units: list[NFTUnit]) -> dict[str, float]:
         """Without grad: the sampler policy's velocities (and the base model's for the KL term)."""
         sampler = self._sampler(model)
@@ -184,11 +192,9 @@ class DiffusionNFT:
             v_old = self._velocity(model, units)
         for u, v in zip(units, v_old):
             u.v_old = v.detach()
-        if self.uses_reference:
+        if self.uses_reference and any(u.v_ref is None for u in units):
             with model.reference():
-                v_ref = self._velocity(model, units)
-            for u, v in zip(units, v_ref):
-                u.v_ref = v.detach()
+                self.reference_prepare(model, units)
         return {"nft/ema_decay": self.decay(self.updates), "nft/sampler_lag_rms": sampler.distance()}
 
     def loss(self, model: Any, units: list[NFTUnit], first_update: bool = False):

@@ -5,8 +5,8 @@ weights and LoRA adapters alike), gradients and AdamW state live as DTensor shar
 
 One training step, on every rank: (1) ``algorithm.prepare`` over every unit without grad (each rank
 computes the same old log-probs and reference outputs, so no gather is needed); (2) the units are
-shuffled (seeded by step) and split into ``minibatches``; each rank takes every world-th unit of a
-minibatch and runs the same number of micro-batches as its peers (collectives must match); the loss is
+shuffled by sample (seeded by step) and split into ``minibatches``; each rank takes every world-th sample
+(whole, with all its trained steps) of a minibatch and runs the same number of micro-batches as its peers (collectives must match); the loss is
 scaled so that the reduced gradient equals the single-process engine's, then one optimizer step.
 
 Checkpoints are sharded safetensors: ``shards/rank-RRRRR-of-WWWWW.safetensors`` holds each rank's local
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
 from omnirl_core.distributed import default_backend, ensure_process_group
-from omnirl_core.training import MetricMean, minibatches, prepare_all, split_even
+from omnirl_core.training import MetricMean, minibatches, prepare_all, rank_share, rs_corrections, split_even
 
 SHARD_DIR = "shards"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -81,6 +81,7 @@ class FSDP2TrainEngine:
         device = torch.device(device)
         ensure_process_group(self.options.backend or default_backend(device.type))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.comm_device = device  # small collectives live where the backend wants them (nccl: CUDA)
         denoiser = model.denoiser
         for block in _blocks(denoiser, self.options.shard_modules):
             fully_shard(block, reshard_after_forward=self.options.reshard_after_forward)
@@ -100,24 +101,31 @@ class FSDP2TrainEngine:
         params = [p for _, p in self.named_params]
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
-            mine = minibatch[self.rank::self.world_size]
+            mine = rank_share(minibatch, self.rank, self.world_size)
             # every rank runs as many micro-batches as the busiest one: FSDP's collectives must pair up
-            busiest = -(-len(minibatch) // self.world_size)
-            n_micro = -(-busiest // mbs)
-            for micro in split_even(mine, n_micro):
-                # an empty share still joins the collectives, with a zero-weight forward/backward
-                part = micro or minibatch[:1]
-                loss, m = algorithm.loss(self.model, part, first_update=index == 0)
-                # FSDP averages gradients over ranks: scale by the world size so they sum, like one process
-                weight = len(micro) / len(minibatch) * self.world_size
-                (loss * weight).backward()
+            busiest = max(len(rank_share(minibatch, r, self.world_size)) for r in range(self.world_size))
+            for micro in split_even(mine, -(-busiest // mbs)):
+                loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)
                 if micro:
                     metrics.add({"loss": float(loss.detach()), **m}, len(micro))
+            # rollout-correction fix-ups (bypass mode, rare): their count differs per rank, so agree on it
+            fix = rs_corrections(algorithm, mine, metrics)
+            count = torch.tensor([-(-len(fix) // mbs)], dtype=torch.int64, device=self.comm_device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            for micro in split_even(fix, int(count.item())):
+                self._backward(algorithm, micro, minibatch, correction=True)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
             metrics.add({"grad_norm": float(_full(grad_norm))}, 1.0 / self.world_size)
             self.optimizer.step()
-        metrics.all_reduce()
+        metrics.all_reduce(self.comm_device)
         return metrics.result()
+
+    def _backward(self, algorithm: Any, micro: list[Any], minibatch: list[Any], **kwargs: Any):
+        # an empty share still joins the collectives, with a zero-weight forward/backward
+        loss, m = algorithm.loss(self.model, micro or minibatch[:1], **kwargs)
+        # FSDP averages gradients over ranks: scale by the world size so they sum, like one process
+        (loss * (len(micro) / len(minibatch) * self.world_size)).backward()
+        return loss, m
 
     # -- weights for sync and export -----------------------------------------------------------
     def full_trained_state(self) -> dict[str, torch.Tensor]:

@@ -32,9 +32,13 @@ def resolved_run(engine: str, lora: bool, out: Path):
         "model": {"name": "qwen-image", "preset": "tiny", "lora": {"enabled": lora, "rank": 4, "alpha": 4}},
         "algorithm": {"name": "flowgrpo", "options": {"beta": 0.01}},
         "rewards": [{"name": "color"}],
-        "rollout": {"prompts_per_step": 2, "group_size": 3, "num_steps": 3, "height": 32, "width": 32},
-        # 12 units in 2 minibatches of 6, micro-batches of 2: 2 ranks take 3 units each as 2 + 1
-        "train": {"engine": engine, "lr": 1e-2, "minibatches": 2, "micro_batch_size": 2},
+        "rollout": {"prompts_per_step": 2, "group_size": 5, "num_steps": 3, "height": 32, "width": 32},
+        # 10 samples x 2 trained steps in 2 minibatches of 5 samples, micro-batches of 2: the ranks take 3
+        # and 2 whole samples (6 and 4 units), both as 3 micro-batches (2 + 2 + 2 and 2 + 1 + 1)
+        # AdamW normalises each update to about lr per weight, so summation-order rounding shows up
+        # scaled by lr where two minibatches' gradients nearly cancel: full fine-tuning (every weight,
+        # norms and modulations included) is compared at a 10x smaller lr than LoRA
+        "train": {"engine": engine, "lr": 1e-2 if lora else 1e-3, "minibatches": 2, "micro_batch_size": 2},
         "run": {"seed": 7, "output_dir": str(out / "run"), "device": "cpu"},
     }]
     return resolve_run(manager, layers)

@@ -56,10 +56,12 @@ def test_two_ranks_match_the_single_process_engine(runs: dict, mode: str):
     for step in (1, 2):
         ref = load_file(str(root / "torch" / f"state-{step}.safetensors"))
         got = load_file(str(root / "fsdp2" / f"state-{step}.safetensors"))
-        assert _max_diff(ref, got) < 1e-5, step
+        diff = _max_diff(ref, got)
+        print(f"{mode} step {step}: max |fsdp2 - torch| = {diff:.3g}")
+        assert diff < 1e-5, step
     # the update is real: the weights moved far more than the tolerance
     init = load_file(str(root / "torch" / "state-0.safetensors"))
-    assert _max_diff(init, load_file(str(root / "torch" / "state-1.safetensors"))) > 1e-3
+    assert _max_diff(init, load_file(str(root / "torch" / "state-1.safetensors"))) > 100 * 1e-5
     assert (root / "fsdp2" / "ckpt" / "shards" / "rank-00001-of-00002.safetensors").is_file()
     expected = "pytorch_lora_weights.safetensors" if mode == "lora" else "transformer/diffusion_pytorch_model.safetensors"
     assert (root / "fsdp2" / "ckpt" / expected).is_file()

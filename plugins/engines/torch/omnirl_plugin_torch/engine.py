@@ -1,8 +1,9 @@
 """Single-process training engine.
 
 One training step: (1) without grad, ``algorithm.prepare`` over every unit (old log-probs, reference
-outputs); (2) the units are split into ``minibatches``; each minibatch accumulates gradients over
-micro-batches and takes one optimizer step.
+outputs); (2) the units are split into ``minibatches`` of whole samples; each minibatch accumulates
+gradients over micro-batches (plus the rare rollout-correction fix-ups, ``training.rs_corrections``) and
+takes one optimizer step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import TrainSection
-from omnirl_core.training import MetricMean, chunks, minibatches, prepare_all
+from omnirl_core.training import MetricMean, chunks, minibatches, prepare_all, rs_corrections
 
 
 class TorchTrainOptions(BaseModel):
@@ -44,6 +45,9 @@ class TorchTrainEngine:
                 loss, m = algorithm.loss(self.model, micro, first_update=index == 0)
                 (loss * (len(micro) / len(minibatch))).backward()
                 metrics.add({"loss": float(loss.detach()), **m}, len(micro))
+            for micro in chunks(rs_corrections(algorithm, minibatch, metrics), mbs):
+                loss, _ = algorithm.loss(self.model, micro, correction=True)
+                (loss * (len(micro) / len(minibatch))).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
             metrics.add({"grad_norm": float(grad_norm)}, 1.0)
             self.optimizer.step()
