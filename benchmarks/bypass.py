@@ -18,7 +18,7 @@ from pathlib import Path
 from _train import controller, environment, mean, write
 
 KEYS = ("time/step_s", "time/train_s", "logprob/abs_delta_mean", "logprob/abs_delta_max", "is/kl_k3", "is/ess",
-        "is/seq_weight_max", "rs/rejected_frac")
+        "is/seq_weight_max", "rs/rejected_frac", "rs/corrected_units")
 
 
 def main() -> None:

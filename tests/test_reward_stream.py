@@ -60,3 +60,37 @@ def test_failures_in_streamed_scoring():
     with pytest.raises(RewardError, match="Required reward 'judge' failed"):
         stream.run(iter([_sample(0)]))
     stream.close()
+
+
+@pytest.mark.parametrize(("reward", "mode", "workers", "threads", "expected"), [
+    ("ocr", "async", 1, None, 1),        # OCR declares 1 CPU: the rollout gives one core up
+    ("ocr", "sync", 1, None, None),      # nothing overlaps: threads left alone
+    ("color", "async", 2, None, None),   # declares no CPU
+    ("http-judge", "async", 4, None, None),  # 0.1 CPU x 4 workers: less than a core
+    ("ocr", "async", 1, 3, 3),           # set explicitly
+])
+def test_inline_rollout_gives_cpu_bound_rewards_their_cores(tmp_path, monkeypatch, reward, mode, workers, threads,
+                                                           expected):
+    import torch
+
+    from omnirl_core.executors import InlineExecutor
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import resolve_run
+
+    manager = PluginManager()
+    manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",
+                          "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_color",
+                          "omnirl_plugin_ocr", "omnirl_plugin_http_judge"])
+    resolved = resolve_run(manager, [{
+        "model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
+        "rewards": [{"name": reward}],
+        "run": {"device": "cpu", "output_dir": str(tmp_path), "reward_mode": mode, "reward_workers": workers,
+                "rollout_threads": threads},
+    }])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # as on a 2-core machine
+    executor = InlineExecutor(resolved)
+    executor.stream = RewardStream(RewardSet([RewardFn("r", lambda o, p: [0.0] * len(o))]), workers, mode)
+    try:
+        assert executor.rollout_threads() == expected
+    finally:
+        executor.stream.close()

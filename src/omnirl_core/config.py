@@ -135,6 +135,11 @@ class RunSection(Section):
         description="async: each finished sample is scored at once, overlapping the rest of the rollout; sync: "
         "the whole batch is scored after the rollout.",
     )
+    rollout_threads: int | None = Field(
+        None, ge=1,
+        description="Inline, CPU device, async rewards: torch threads of the rollout while rewards run beside it; "
+        "None: the CPU count torch uses minus the CPUs the rewards declare (per reward worker), at least 1.",
+    )
     reward_workers: int = Field(
         2, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray)."
     )

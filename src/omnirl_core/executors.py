@@ -79,10 +79,36 @@ class InlineExecutor:
         self.rewards = build_rewards(self.resolved)
         self.stream = RewardStream(self.rewards, run.reward_workers, run.reward_mode)
 
+    def rollout_threads(self) -> int | None:
+        """Torch threads for a rollout that CPU-bound rewards overlap on the same cores, or None (leave them).
+
+        Oversubscribed cores hurt both sides (torch's spinning intra-op threads starve the reward threads and
+        the other way round), so the rollout gives up the CPUs the rewards declare: a reward worker needs
+        the most any of the run's rewards declares (they run one after another), times the reward workers."""
+        import torch
+
+        run = self.resolved.config.run
+        cpu = self.resolved.device is None or self.resolved.device.torch_device == "cpu"
+        if self.stream is None or self.stream.mode != "async" or not cpu:
+            return None
+        if run.rollout_threads is not None:
+            return run.rollout_threads
+        need = max((spec.resources.get("CPU", 0.0) for spec in self.resolved.rewards), default=0.0)
+        reserve = int(need * run.reward_workers)
+        return max(1, torch.get_num_threads() - reserve) if reserve else None
+
     def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
+        import torch
+
         assert self.worker is not None and self.stream is not None
-        samples, failed, timing = self.stream.run(self.worker.generate(requests))
-        return samples, {**failed, **timing.metrics()}
+        threads, before = self.rollout_threads(), torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            samples, failed, timing = self.stream.run(self.worker.generate(requests))
+        finally:
+            torch.set_num_threads(before)
+        return samples, {**failed, **timing.metrics(), "rollout/threads": float(threads or before)}
 
     def generate(self, requests: list[GenRequest]) -> list[Sample]:
         assert self.worker is not None

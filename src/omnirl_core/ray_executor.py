@@ -6,6 +6,9 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
            weight copy);
   rollout  ``placement: split`` only: a rollout worker; weights are synced to it after each update
            (LoRA only when training LoRA, the full denoiser otherwise);
+  reference ``run.reference=separate`` and an algorithm with a KL term: a worker holding the frozen base
+           model; before each update it evaluates the reference outputs of the batch, which go to every
+           train rank with the units (the actor then keeps no frozen copy in full fine-tuning);
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare.
 
 Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator, each finished sample an

@@ -16,6 +16,6 @@ def omnirl_register_rewards(register):
             config="omnirl_plugin_http_judge.reward:HTTPJudgeOptions",
             modality="image",
             batched=False,
-            resources={"CPU": 0.25},
+            resources={"CPU": 0.1},  # waits on the network; encodes one PNG per image
         )
     )
