@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from _train import controller, environment, mean, write
 
-
 WORKLOADS = {
     "preset": {},
     "larger": {"rollout": {"prompts_per_step": 16, "group_size": 4, "num_steps": 10, "height": 64, "width": 64}},

@@ -312,13 +312,17 @@ def train(
     if run_dir.is_foreign():
         raise ConfigError(f"Output directory '{run_path}' is not empty and holds no omnirl run.",
                           hint="Pick another --output-dir.")
-    diffs = run_dir.differences(dump)
+    one_sided: list[str] = []
+    diffs = run_dir.differences(dump, one_sided)
     if diffs:
         raise ConfigError(
             f"Output directory '{run_path}' holds a different run.",
             details=["Differences:", *(f"  {d}" for d in diffs[:10])],
             hint="Use another --output-dir, or rerun with the same settings to resume that run.",
         )
+    if one_sided:
+        _err(f"note: the run in '{run_path}' was saved by a version with other options; resuming with:\n"
+             + "\n".join(f"  {d}" for d in one_sided[:10]))
     if dry_run:
         plan = {
             "run_dir": str(run_path),

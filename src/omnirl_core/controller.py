@@ -91,7 +91,7 @@ class Controller:
         if ckpt is not None:
             state = self.executor.load(ckpt)
             self.start_step = int(state["step"]) + 1
-            if hasattr(self.algorithm, "load_state") and "algorithm" in state:
+            if hasattr(self.algorithm, "load_state") and "algorithm" in state:  # checkpoints of older versions
                 self.algorithm.load_state(state["algorithm"])
             correction = state.get("correction", {})
             self.fallback.load_state(correction)
@@ -101,8 +101,8 @@ class Controller:
             log.info("resumed from %s (step %d)", ckpt, state["step"])
 
     def checkpoint(self, step: int) -> Path:
-        extra = {"algorithm": self.algorithm.state() if hasattr(self.algorithm, "state") else {},
-                 "correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()}}
+        # the algorithm's own state is written by the actor worker, where it lives (algorithm.json)
+        extra = {"correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()}}
         return self.executor.save(self.run_dir.path, step, extra)
 
     def set_old_logprob(self, mode: str) -> None:

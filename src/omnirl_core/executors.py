@@ -131,22 +131,19 @@ class InlineExecutor:
         assert self.worker is not None
         self.worker.set_old_logprob(mode)
 
+    def _checkpoint(self) -> WorkerCheckpoint:
+        assert self.worker is not None
+        return WorkerCheckpoint(self.worker.save_state, self.worker.load_state)
+
     def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
         from omnirl_core.checkpoint import save_checkpoint
 
-        assert self.worker is not None
-        if hasattr(self.trainer, "save_shards"):
-            return save_checkpoint(run_dir, step, WorkerCheckpoint(self.worker.save_state, self.worker.load_state),
-                                   None, extra)
-        return save_checkpoint(run_dir, step, self.model, self.trainer.optimizer, extra)
+        return save_checkpoint(run_dir, step, self._checkpoint(), None, extra)
 
     def load(self, path: Path) -> dict[str, Any]:
         from omnirl_core.checkpoint import load_checkpoint
 
-        assert self.worker is not None
-        if hasattr(self.trainer, "load_shards"):
-            return load_checkpoint(path, WorkerCheckpoint(self.worker.save_state, self.worker.load_state), None)
-        return load_checkpoint(path, self.model, self.trainer.optimizer)
+        return load_checkpoint(path, self._checkpoint(), None)
 
     def close(self) -> None:
         if self.stream is not None:

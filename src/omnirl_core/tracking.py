@@ -19,6 +19,7 @@ RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
     "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
+    "run.reference", "run.rollout_threads",
 )
 
 
@@ -40,13 +41,23 @@ def _without(config: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def config_differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+def config_differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "",
+                       one_sided: list[str] | None = None) -> list[str]:
+    """Keys whose values differ between the saved config ``a`` and the current one ``b``.
+
+    A key present on one side only (an option a newer omnirl or plugin version added, or one it dropped)
+    is no conflict: the saved run simply predates it. Such keys go to ``one_sided`` when given."""
     diffs = []
     for key in sorted(set(a) | set(b)):
         path = f"{prefix}{key}"
-        va, vb = a.get(key), b.get(key)
+        if key not in a or key not in b:
+            if one_sided is not None:
+                side = "now" if key in b else "saved"
+                one_sided.append(f"{path}: {(b if key in b else a)[key]!r} ({side} only)")
+            continue
+        va, vb = a[key], b[key]
         if isinstance(va, dict) and isinstance(vb, dict):
-            diffs += config_differences(va, vb, path + ".")
+            diffs += config_differences(va, vb, path + ".", one_sided)
         elif va != vb:
             diffs.append(f"{path}: {va!r} (saved) vs {vb!r} (now)")
     return diffs
@@ -66,11 +77,14 @@ class RunDir:
             return None
         return yaml.safe_load(self.config_path.read_text())
 
-    def differences(self, config: dict[str, Any]) -> list[str]:
+    def differences(self, config: dict[str, Any], one_sided: list[str] | None = None) -> list[str]:
+        """Conflicts between the saved run's config and ``config`` (keys that may change between
+        invocations left out); options only one side knows are collected in ``one_sided``."""
         saved = self.saved_config()
         if saved is None:
             return []
-        return config_differences(_without(saved, RUN_IDENTITY_IGNORES), _without(config, RUN_IDENTITY_IGNORES))
+        return config_differences(_without(saved, RUN_IDENTITY_IGNORES), _without(config, RUN_IDENTITY_IGNORES),
+                                  one_sided=one_sided)
 
     def is_foreign(self) -> bool:
         """A non-empty directory that is not an omnirl run."""

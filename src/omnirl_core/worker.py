@@ -151,7 +151,8 @@ class Worker:
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, directory: str | Path) -> list[str]:
         """Write this worker's part of a checkpoint into ``directory``: the trained weights in the layout
-        diffusers reads (rank 0), the optimizer (rank 0, or every rank's shard for a sharded engine)."""
+        diffusers reads (rank 0), the optimizer (rank 0, or every rank's shard for a sharded engine), and
+        the algorithm's own state (rank 0; e.g. an EMA sampler policy or a reference snapshot)."""
         from safetensors.torch import save_file
 
         from omnirl_core.checkpoint import optimizer_to_tensors
@@ -162,17 +163,20 @@ class Worker:
             full = export_trained_state(self.model, self.trainer)
             if self.rank == 0:
                 files += self.model.save_trained(directory, state=full)
-            return files
-        if self.rank != 0:
-            return []
-        files = self.model.save_trained(directory)
-        tensors, meta = optimizer_to_tensors(self.trainer.optimizer)
-        save_file(tensors, str(directory / "optimizer.safetensors"))
-        (directory / OPTIMIZER_META).write_text(json.dumps(meta))
-        return [*files, "optimizer.safetensors", OPTIMIZER_META]
+        elif self.rank == 0:
+            files = self.model.save_trained(directory)
+            tensors, meta = optimizer_to_tensors(self.trainer.optimizer)
+            save_file(tensors, str(directory / "optimizer.safetensors"))
+            (directory / OPTIMIZER_META).write_text(json.dumps(meta))
+            files += ["optimizer.safetensors", OPTIMIZER_META]
+        else:
+            files = []
+        if self.rank == 0:
+            files += save_algorithm_state(self.algorithm, directory)
+        return files
 
     def load_state(self, directory: str | Path) -> None:
-        """Load what ``save_state`` (or the inline executor's ``save_checkpoint``) wrote."""
+        """Load what ``save_state`` (or an older inline executor's ``save_checkpoint``) wrote."""
         from safetensors.torch import load_file
 
         from omnirl_core.checkpoint import optimizer_from_tensors
@@ -180,13 +184,44 @@ class Worker:
         directory = Path(directory)
         if hasattr(self.trainer, "load_shards"):
             self.trainer.load_shards(directory)
-            return
-        self.model.load_trained(directory)
-        if self.trainer is None or not (directory / "optimizer.safetensors").is_file():
-            return
-        meta_file = directory / OPTIMIZER_META
-        if meta_file.is_file():
-            meta = json.loads(meta_file.read_text())
-        else:  # written by the inline executor: the optimizer metadata sits in trainer_state.json
-            meta = json.loads((directory / "trainer_state.json").read_text())["optimizer"]
-        optimizer_from_tensors(self.trainer.optimizer, load_file(str(directory / "optimizer.safetensors")), meta)
+        else:
+            self.model.load_trained(directory)
+            if self.trainer is not None and (directory / "optimizer.safetensors").is_file():
+                meta_file = directory / OPTIMIZER_META
+                if meta_file.is_file():
+                    meta = json.loads(meta_file.read_text())
+                else:  # older inline checkpoints: the optimizer metadata sits in trainer_state.json
+                    meta = json.loads((directory / "trainer_state.json").read_text())["optimizer"]
+                optimizer_from_tensors(self.trainer.optimizer, load_file(str(directory / "optimizer.safetensors")),
+                                       meta)
+        if self.trainer is not None:
+            load_algorithm_state(self.algorithm, self.model, directory)
+
+
+ALGORITHM_STATE = "algorithm.json"
+ALGORITHM_TENSORS = "algorithm.safetensors"
+
+
+def save_algorithm_state(algorithm: Any, directory: Path) -> list[str]:
+    """An algorithm's checkpointed state: ``state()`` (JSON) and ``state_tensors()`` (safetensors), both
+    optional hooks; they live in the actor worker, where the algorithm updates them."""
+    from safetensors.torch import save_file
+
+    files = []
+    if hasattr(algorithm, "state"):
+        (directory / ALGORITHM_STATE).write_text(json.dumps(algorithm.state(), indent=2))
+        files.append(ALGORITHM_STATE)
+    tensors = algorithm.state_tensors() if hasattr(algorithm, "state_tensors") else {}
+    if tensors:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(directory / ALGORITHM_TENSORS))
+        files.append(ALGORITHM_TENSORS)
+    return files
+
+
+def load_algorithm_state(algorithm: Any, model: Any, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    if (directory / ALGORITHM_STATE).is_file() and hasattr(algorithm, "load_state"):
+        algorithm.load_state(json.loads((directory / ALGORITHM_STATE).read_text()))
+    if (directory / ALGORITHM_TENSORS).is_file() and hasattr(algorithm, "load_state_tensors"):
+        algorithm.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)

@@ -236,6 +236,20 @@ class DiffusionDPO:
         n = len(units)
         return err[:n], err[n:]
 
+    # -- checkpoints: the online reference snapshot and when it was taken ------------------------
+    def state(self) -> dict[str, Any]:
+        return {"snapshot_step": self._snapshot_step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._snapshot_step = int(state.get("snapshot_step", 0))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.snapshot.state_dict() if self.snapshot is not None else {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], model: Any) -> None:
+        self.snapshot = ShadowParameters(model.trainable_parameters())
+        self.snapshot.load_state_dict(tensors)
+
     def _refresh_snapshot(self, model: Any, step: int) -> None:
         every = self.options.ref_update_every
         if self.snapshot is None:
@@ -259,7 +273,6 @@ class DiffusionDPO:
                 ref_w, ref_l = self._errors(model, units)
         for u, a, b in zip(units, ref_w, ref_l):
             u.ref_error = torch.stack([a, b]).detach()
-        # the snapshot lives in memory only: a resumed run restarts it from the resumed policy
         return {"dpo/reference_step": float(self._snapshot_step)} if not self.uses_reference else {}
 
     def loss(self, model: Any, units: list[PreferencePair], first_update: bool = False):

@@ -219,9 +219,19 @@ class DiffusionNFT:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Saved after a step's update: the updates done so far (the EMA schedule's clock). The EMA weights
-        are not saved: a resumed run restarts the sampler policy from the resumed weights."""
-        return {"updates": self.updates + (1 if self._rollouts > 0 else 0)}
+        """Saved after a step's update: the updates folded into the EMA so far (the schedule's clock) and
+        whether the last update still waits to be folded in (at the next rollout)."""
+        return {"updates": self.updates, "pending": self._rollouts > 0}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.updates = int(state.get("updates", 0))
+        if "pending" not in state:  # an older checkpoint counted the pending update in and had no EMA weights
+            return
+        self._rollouts = 1 if state["pending"] else 0
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The EMA sampler policy's weights (the trained ones are in the checkpoint already)."""
+        return self.sampler_policy.state_dict() if self.sampler_policy is not None else {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], model: Any) -> None:
+        self._sampler(model).load_state_dict(tensors)

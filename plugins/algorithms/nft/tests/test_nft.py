@@ -121,7 +121,13 @@ def test_ema_schedule_and_the_rollout_policy_hook():
     expected.append(0.2 * expected[3] + 0.8 * (w0 + 4))
     for got, want in zip(seen, expected):
         torch.testing.assert_close(got, want)
-    assert algo.state() == {"updates": 5}  # saved after the fifth update
+    # saved after the fifth update: four folded into the EMA, the fifth waits for the next rollout
+    assert algo.state() == {"updates": 4, "pending": True}
+    resumed = DiffusionNFT(NFTConfig(ema_max=0.5, ema_rate=0.1, ema_delay=2), _config())
+    resumed.load_state(algo.state())
+    resumed.load_state_tensors(algo.state_tensors(), model)
+    with resumed.rollout_policy(model):  # folds update 5 with lam(5) = 0.3, like the uninterrupted run
+        torch.testing.assert_close(net.weight, 0.3 * expected[4] + 0.7 * (w0 + 5))
     with pytest.raises(UsageError, match="colocated"), algo.rollout_policy(None):
         pass
 
@@ -153,5 +159,7 @@ def test_cli_run_samples_with_the_ema_policy(tmp_path: Path):
     assert records[1]["nft/ema_decay"] == pytest.approx(0.3) and records[2]["nft/ema_decay"] == pytest.approx(0.5)
     assert records[2]["nft/sampler_lag_rms"] > 0.0
     assert 0.0 < records[0]["nft/optimality_mean"] < 1.0
-    state = json.loads((run / "checkpoints" / "step-000003" / "trainer_state.json").read_text())
-    assert state["algorithm"] == {"updates": 3}
+    ckpt = run / "checkpoints" / "step-000003"
+    # 2 updates folded into the EMA (before rollouts 2 and 3), the third waits for the next rollout
+    assert json.loads((ckpt / "algorithm.json").read_text()) == {"updates": 2, "pending": True}
+    assert (ckpt / "algorithm.safetensors").is_file()  # the EMA sampler policy's weights
