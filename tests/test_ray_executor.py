@@ -117,3 +117,13 @@ def test_colocated_with_several_train_ranks_is_refused(tmp_path: Path):
         RayExecutor(_resolved(tmp_path, executor="ray", train_workers=2))
     with pytest.raises(UsageError, match="distributed engine"):
         RayExecutor(_resolved(tmp_path, executor="ray", placement="split", train_workers=2))
+
+
+def test_pools_larger_than_the_cluster_fail_at_once(ray_cluster, tmp_path: Path):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(UsageError, match=r"too small.*CPU 2.5 needed, 2 in the cluster"):
+        _metrics(tmp_path, executor="ray", placement="split", reference="separate", worker_cpus=0.5)
+    assert time.perf_counter() - start < 60  # not the 120 s placement timeout
+    assert ray.available_resources().get("CPU") == 2.0  # nothing was left placed

@@ -185,6 +185,14 @@ class RayExecutor:
         resource = r.device.ray_resource if r.device else "CPU"
         worker_opts = _actor_resources(resource, run.worker_cpus)
         train_roles = ["actor", "rollout"] if self.colocated else ["actor"]
+        separate_reference = reference_placement(r, algorithm) == "separate"
+        reward_opts = self._reward_options()
+        self._check_capacity({
+            "train": [_bundle(worker_opts)] * run.train_workers,
+            "rollout": [] if self.colocated else [_bundle(worker_opts)],
+            "reference": [_bundle(worker_opts)] if separate_reference else [],
+            "reward": [_bundle(reward_opts)] * run.reward_workers,
+        })
         train_pool = self._pool("train", [_bundle(worker_opts)] * run.train_workers)
         self.train = [self._place(WorkerActor, train_pool, rank, worker_opts, r, train_roles, rank,
                                   run.train_workers) for rank in range(run.train_workers)]
@@ -197,16 +205,37 @@ class RayExecutor:
         else:
             rollout_pool = self._pool("rollout", [_bundle(worker_opts)])
             self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1)
-        if reference_placement(r, algorithm) == "separate":
+        if separate_reference:
             reference_pool = self._pool("reference", [_bundle(worker_opts)])
             self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1)
-        reward_opts = self._reward_options()
         reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
         self.reward_actors = [self._place(RewardActor, reward_pool, i, reward_opts, r)
                               for i in range(run.reward_workers)]
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:
             self.sync_weights()  # the rollout worker starts from the actor's exact weights
+
+    def _check_capacity(self, pools: dict[str, list[dict[str, float]]]) -> None:
+        """Fail at once, with the arithmetic, when the pools need more than the whole cluster has (placing
+        them would wait for resources that never come)."""
+        import ray
+
+        total: dict[str, float] = {}
+        for bundles in pools.values():
+            for bundle in bundles:
+                for key, value in bundle.items():
+                    total[key] = total.get(key, 0.0) + value
+        have = ray.cluster_resources()
+        short = {k: v for k, v in total.items() if v > have.get(k, 0.0) + 1e-9}
+        if short:
+            run = self.resolved.config.run
+            raise UsageError(
+                "The Ray cluster is too small for this run's worker pools: "
+                + ", ".join(f"{k} {total[k]:g} needed, {have.get(k, 0.0):g} in the cluster" for k in short) + ".",
+                details=[f"{name}: {len(bundles)} x {bundles[0]}" for name, bundles in pools.items() if bundles],
+                hint=f"Lower run.worker_cpus ({run.worker_cpus:g}) or run.reward_workers ({run.reward_workers}), "
+                     "use run.placement=colocated or run.reference=actor, or add resources.",
+            )
 
     def _reward_options(self) -> dict[str, Any]:
         """Each reward actor reserves the most any of the run's rewards declares (0.5 CPU by default)."""
