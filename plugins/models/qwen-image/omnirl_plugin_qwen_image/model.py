@@ -6,6 +6,8 @@ latent grid; ``velocity`` packs them into 2x2 patches for the transformer and un
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,14 @@ class QwenImageModel(DenoiserModel):
     # -- contract ------------------------------------------------------------------------------
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Conditioning:
-        embeds, mask = self.pipeline._get_qwen_prompt_embeds(list(prompts), device=self.device, dtype=self.dtype)
+        # the pipeline reads only the text encoder's last hidden states: its LM head (a 152k-word vocabulary)
+        # need not project every prompt token, so it gets the last position only for the call
+        encoder = self.pipeline.text_encoder
+        encoder.forward = functools.partial(type(encoder).forward, encoder, logits_to_keep=1)
+        try:
+            embeds, mask = self.pipeline._get_qwen_prompt_embeds(list(prompts), device=self.device, dtype=self.dtype)
+        finally:
+            del encoder.forward
         limit = self.options.max_sequence_length
         return Conditioning(
             {"prompt_embeds": embeds[:, :limit], "prompt_mask": mask[:, :limit].to(torch.long)},

@@ -155,3 +155,23 @@ def test_flow_model_contract(tiny_dir: Path):
     from omnirl_core.testing import check_flow_model
 
     check_flow_model(_model(tiny_dir), height=32, width=32)
+
+
+def test_encode_reads_hidden_states_without_projecting_every_token(tiny_dir: Path):
+    """The LM head (152k-word vocabulary) sees one position per prompt, and the embeddings equal the
+    pipeline's own encoding (which projects every token)."""
+    model = _model(tiny_dir)
+    prompts = ["a red square on a white background", "text"]
+    positions = []
+    handle = model.pipeline.text_encoder.lm_head.register_forward_hook(
+        lambda module, args, out: positions.append(args[0].shape[1]))
+    try:
+        cond = model.encode(prompts)
+        with torch.no_grad():
+            embeds, mask = model.pipeline._get_qwen_prompt_embeds(prompts, device="cpu", dtype=torch.float32)
+    finally:
+        handle.remove()
+    assert positions[0] == 1 and positions[1] > 30  # ours, then the pipeline's unpatched call
+    assert "forward" not in vars(model.pipeline.text_encoder)  # the patch is gone after the call
+    torch.testing.assert_close(cond.tensors["prompt_embeds"], embeds[:, :cond.tensors["prompt_embeds"].shape[1]])
+    assert torch.equal(cond.tensors["prompt_mask"], mask[:, :cond.tensors["prompt_mask"].shape[1]].long())
