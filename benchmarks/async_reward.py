@@ -30,6 +30,9 @@ PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a n
 
 
 def workload(args, reward: list[dict], workers: int) -> dict:
+    run = {"reward_workers": workers, "seed": 3}
+    if args.executor == "ray":  # a colocated actor+rollout worker on both cores, reward actors beside it
+        run.update({"executor": "ray", "worker_cpus": 2.0})
     return {
         "rewards": reward, "data": {"prompts": PROMPTS},
         "rollout": {"prompts_per_step": args.prompts, "group_size": 4, "num_steps": args.num_steps,
@@ -37,19 +40,24 @@ def workload(args, reward: list[dict], workers: int) -> dict:
                     # step-wise batching with 4 slots: samples finish in waves and stream out
                     "options": {"max_num_seqs": 4}},
         "train": {"minibatches": 1},
-        "run": {"reward_workers": workers, "seed": 3},
+        "run": run,
     }
 
 
 def alternate(ctl, steps: int) -> dict:
     """Warm up one step, then alternate sync / async steps; returns per-mode records."""
+    def set_mode(mode: str) -> None:
+        ctl.cfg.run.reward_mode = mode  # what the Ray executor reads at each rollout
+        if getattr(ctl.executor, "stream", None) is not None:  # the inline executor's reward threads
+            ctl.executor.stream.mode = mode
+
     ctl.setup()
-    ctl.executor.stream.mode = "sync"
+    set_mode("sync")
     ctl.train_step(1)
     records = {"sync": [], "async": []}
     for i in range(2 * steps):
         mode = ("sync", "async")[i % 2]
-        ctl.executor.stream.mode = mode
+        set_mode(mode)
         records[mode].append(ctl.train_step(2 + i))
     ctl.executor.close()
     return records
@@ -93,12 +101,19 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="image height and width (pixels)")
     parser.add_argument("--num-steps", type=int, default=10, help="sampling steps per image")
     parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts, 32 px, 6 steps")
+    parser.add_argument("--executor", choices=("inline", "ray"), default="inline",
+                        help="ray: a local Ray instance, reward actors instead of threads")
     parser.add_argument("--only", choices=("http_judge", "ocr"), default=None, help="run one scenario")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
     tmp = Path(tempfile.mkdtemp(prefix="omnirl-bench-"))
-    result = {"environment": environment(), "samples_per_step": args.prompts * 4, "size": args.size,
+    if args.executor == "ray":
+        import ray
+
+        # logical CPUs: 2 for the rollout/actor worker, 0.5 per reward actor (they mostly wait)
+        ray.init(num_cpus=2 + max(args.workers, args.ocr_workers), include_dashboard=False, log_to_driver=False)
+    result = {"environment": environment(), "executor": args.executor, "samples_per_step": args.prompts * 4, "size": args.size,
               "num_steps": args.num_steps}
 
     workers = args.workers
@@ -106,7 +121,9 @@ def main() -> None:
         run_judge(args, tmp, workers, result)
     if args.only != "http_judge":
         run_ocr(args, tmp, args.ocr_workers, result)
-    path = write("async_reward", result)
+    if args.executor == "ray":
+        ray.shutdown()
+    path = write("async_reward" if args.executor == "inline" else "async_reward_ray", result)
     for name in ("http_judge", "ocr"):
         part = result.get(name)
         if part is None:

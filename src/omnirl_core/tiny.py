@@ -41,7 +41,12 @@ def atomic_directory(target: Path, build) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build(tmp)
+        import torch
+
+        # builders seed torch for their random weights: keep the caller's random state as it was, so that a
+        # run does the same whether it built the cache or found it
+        with torch.random.fork_rng(devices=[]):
+            build(tmp)
         try:
             os.replace(tmp, target)
         except OSError:

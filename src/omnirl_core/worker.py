@@ -90,6 +90,9 @@ class Worker:
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
         self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
+        # again after loading: adapters are initialised from torch's global random state, which loading
+        # code may have used (or not, when a cache already held the model)
+        torch.manual_seed(cfg.run.seed)
         if self.algorithm is None and self.roles & {"actor", "reference"}:
             self.algorithm = build_algorithm(r)
         if "actor" in self.roles:
