@@ -176,7 +176,8 @@ class FlowPolicyGradient:
         keep = rs_mask(sequence_log_weights(units, self.config.train.rs_aggregate), self.config.train.rs_band)
         per_unit, metrics = self.surrogate(logp, old, adv, units, mean, std, batch)
         if correction:
-            applied = torch.tensor([u.extras[RS_KEEP] for u in units])
+            # a unit this process never applied a mask to (a sharded engine's zero-weight filler) changes nothing
+            applied = torch.tensor([u.extras.get(RS_KEEP, k) for u, k in zip(units, keep.tolist())])
             for u, k in zip(units, keep.tolist()):
                 u.extras[RS_KEEP] = k
             return (per_unit * (keep - applied).to(logp.device)).mean(), {}

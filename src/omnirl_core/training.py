@@ -34,9 +34,12 @@ class MetricMean:
         self.maxes: dict[str, float] = {}
 
     def add(self, metrics: dict[str, float], weight: float) -> None:
+        """Weight 0 only registers the keys (a rank with nothing to report must still name them for
+        ``all_reduce``); its values count for nothing, maxima included."""
         for key, value in metrics.items():
             if key.endswith("_max"):
-                self.maxes[key] = max(self.maxes.get(key, float("-inf")), float(value))
+                floor = self.maxes.get(key, float("-inf"))
+                self.maxes[key] = max(floor, float(value)) if weight > 0 else floor
             else:
                 self.sums[key] += float(value) * weight
                 self.weights[key] += weight
@@ -67,7 +70,7 @@ class MetricMean:
 
     def result(self) -> dict[str, float]:
         out = {k: self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
-        out.update(self.maxes)
+        out.update({k: v for k, v in self.maxes.items() if v != float("-inf")})
         return out
 
 
@@ -108,14 +111,19 @@ def rank_share(units: list[Any], rank: int, world_size: int) -> list[Any]:
     return [u for block in sample_blocks(units)[rank::world_size] for u in block]
 
 
-def rs_corrections(algorithm: Any, units: list[Any], metrics: MetricMean) -> list[Any]:
+def rs_corrections(algorithm: Any, units: list[Any], metrics: MetricMean, filler: list[Any] = ()) -> list[Any]:
     """After a minibatch's micro-batches, before its optimizer step: the algorithm's sequence-level
     diagnostics over the whole samples, and the units whose rejection-sampling mask changed once all of
     their sample's steps were seen (bypass mode). The engine re-runs those with ``loss(..., correction=True)``,
     which adds (final mask - applied mask) x their loss, so the gradient equals masking with the final
-    weights from the start. Rejections are rare, so this costs little; algorithms without the method: []."""
+    weights from the start. Rejections are rare, so this costs little; algorithms without the method: [].
+    ``filler``: units evaluated on this rank only to join the collectives; with no units of its own the rank
+    reports the diagnostics' names from them at weight 0 (ranks must report the same metric names)."""
     finish = getattr(algorithm, "finish_minibatch", None)
-    if finish is None or not units:
+    if finish is None or not (units or filler):
+        return []
+    if not units:
+        metrics.add({**finish(list(filler))[1], "rs/corrected_units": 0.0}, 0.0)
         return []
     fix, seq_metrics = finish(units)
     metrics.add(seq_metrics, len(sample_blocks(units)))

@@ -106,10 +106,9 @@ class FSDP2TrainEngine:
             busiest = max(len(rank_share(minibatch, r, self.world_size)) for r in range(self.world_size))
             for micro in split_even(mine, -(-busiest // mbs)):
                 loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)
-                if micro:
-                    metrics.add({"loss": float(loss.detach()), **m}, len(micro))
+                metrics.add({"loss": float(loss.detach()), **m}, len(micro))  # an empty share: names only
             # rollout-correction fix-ups (bypass mode, rare): their count differs per rank, so agree on it
-            fix = rs_corrections(algorithm, mine, metrics)
+            fix = rs_corrections(algorithm, mine, metrics, filler=minibatch[:1])
             count = torch.tensor([-(-len(fix) // mbs)], dtype=torch.int64, device=self.comm_device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             for micro in split_even(fix, int(count.item())):

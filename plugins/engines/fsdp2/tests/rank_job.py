@@ -25,7 +25,7 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowg
            "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_color"]
 
 
-def resolved_run(engine: str, lora: bool, out: Path):
+def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
     manager = PluginManager()
     manager.load_modules(PLUGINS)
     layers = [{
@@ -41,6 +41,9 @@ def resolved_run(engine: str, lora: bool, out: Path):
         "train": {"engine": engine, "lr": 1e-2 if lora else 1e-3, "minibatches": 2, "micro_batch_size": 2},
         "run": {"seed": 7, "output_dir": str(out / "run"), "device": "cpu"},
     }]
+    if layout == "one-sample-minibatches":
+        # 3 samples in 3 minibatches: with 2 ranks, rank 1 has nothing of its own in any of them
+        layers.append({"rollout": {"prompts_per_step": 1, "group_size": 3}, "train": {"minibatches": 3}})
     return resolve_run(manager, layers)
 
 
@@ -51,10 +54,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
+    parser.add_argument("--layout", default="default", choices=("default", "one-sample-minibatches"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    resolved = resolved_run(args.engine, bool(args.lora), out)
+    resolved = resolved_run(args.engine, bool(args.lora), out, args.layout)
     controller = Controller(resolved, out / "run")
     worker = Worker(resolved, {"actor", "rollout"}, algorithm=controller.algorithm,
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))

@@ -4,6 +4,7 @@ exactly (optimizer state included)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,21 @@ def test_sharded_checkpoint_loads_on_one_rank_and_training_continues(runs: dict,
     # step 2 after loading equals step 2 of the uninterrupted run: AdamW moments came back too
     cont = load_file(str(tmp_path / "one" / "state-2.safetensors"))
     assert _max_diff(load_file(str(two / "state-2.safetensors")), cont) < 1e-5
+
+
+def test_a_rank_with_no_samples_of_its_own_still_matches(tmp_path: Path):
+    """Minibatches of one sample on 2 ranks: rank 1 only joins the collectives (zero-weight passes) and
+    reports the metric names at weight 0; the update equals the single-process engine's."""
+    layout = ("--layout", "one-sample-minibatches")
+    _launch(tmp_path / "torch", "torch", True, extra=layout)
+    _launch(tmp_path / "fsdp2", "fsdp2", True, world=2, extra=layout)
+    for step in (1, 2):
+        ref = load_file(str(tmp_path / "torch" / f"state-{step}.safetensors"))
+        got = load_file(str(tmp_path / "fsdp2" / f"state-{step}.safetensors"))
+        assert _max_diff(ref, got) < 1e-5, step
+    ref_m = json.loads((tmp_path / "torch" / "metrics.json").read_text())
+    got_m = json.loads((tmp_path / "fsdp2" / "metrics.json").read_text())
+    for step, metrics in ref_m.items():
+        assert set(metrics) == set(got_m[step])
+        for key in ("loss", "rs/rejected_frac", "is/seq_weight_max", "logprob/abs_delta_max"):
+            assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
