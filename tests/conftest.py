@@ -28,4 +28,4 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     full_env = {**os.environ, **(env or {})}
     exe = Path(sys.executable).with_name("omnirl")
     return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full_env,
-                          cwd=str(cwd) if cwd else None, timeout=timeout)
+                          cwd=str(cwd) if cwd else None, timeout=timeout, check=False)

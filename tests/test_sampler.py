@@ -67,7 +67,7 @@ def test_dance_sde_logprob_is_gaussian():
 
 
 def test_cps_keeps_the_noise_coefficient_and_scores_unnormalised():
-    x, v, s, s_next, g = _inputs()
+    x, v, s, s_next, _ = _inputs()
     eta = 0.8
     mean, std = step_mean("cps", x, v, s, s_next, eta)
     torch.testing.assert_close(std, s_next * math.sin(eta * math.pi / 2))

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 import yaml
@@ -124,7 +124,7 @@ def _options_schema(spec) -> list[dict[str, Any]]:
     return rows
 
 
-def _listing(kind: str, name: Optional[str], fmt: str, options: bool) -> None:
+def _listing(kind: str, name: str | None, fmt: str, options: bool) -> None:
     _check_format(fmt)
     manager = _manager()
     if name:
@@ -159,31 +159,31 @@ OptionsOpt = typer.Option(False, "--options", help="Print the component's option
 
 
 @app.command("models")
-def models_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+def models_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
     """Installed models and their capabilities."""
     _listing("model", name, fmt, options)
 
 
 @app.command("algos")
-def algos_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+def algos_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
     """Installed algorithms and the model capabilities they need."""
     _listing("algorithm", name, fmt, options)
 
 
 @app.command("engines")
-def engines_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+def engines_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
     """Installed rollout and training engines."""
     _listing("engine", name, fmt, options)
 
 
 @app.command("rewards")
-def rewards_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+def rewards_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
     """Installed rewards."""
     _listing("reward", name, fmt, options)
 
 
 @app.command("devices")
-def devices_cmd(name: Optional[str] = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+def devices_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
     """Hardware plugins and whether each device is available here."""
     _listing("device", name, fmt, options)
 
@@ -250,12 +250,12 @@ SetOpt = typer.Option(None, "--set", help="KEY=VALUE override, repeatable (e.g. 
 
 @config_app.command("show")
 def config_show(
-    model: Optional[str] = ModelOpt,
-    algo: Optional[str] = AlgoOpt,
-    preset: Optional[str] = PresetOpt,
-    reward: Optional[list[str]] = RewardOpt,
-    recipe: Optional[str] = RecipeOpt,
-    overrides: Optional[list[str]] = SetOpt,
+    model: str | None = ModelOpt,
+    algo: str | None = AlgoOpt,
+    preset: str | None = PresetOpt,
+    reward: list[str] | None = RewardOpt,
+    recipe: str | None = RecipeOpt,
+    overrides: list[str] | None = SetOpt,
     fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
 ) -> None:
     """The resolved config (every key, with plugin options and defaults; secrets redacted)."""
@@ -280,19 +280,19 @@ def _run_dir(resolved, explicit: bool) -> Path:
 
 @app.command()
 def train(
-    model: Optional[str] = ModelOpt,
-    algo: Optional[str] = AlgoOpt,
-    preset: Optional[str] = PresetOpt,
-    reward: Optional[list[str]] = RewardOpt,
-    recipe: Optional[str] = RecipeOpt,
-    overrides: Optional[list[str]] = SetOpt,
-    output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds "
+    model: str | None = ModelOpt,
+    algo: str | None = AlgoOpt,
+    preset: str | None = PresetOpt,
+    reward: list[str] | None = RewardOpt,
+    recipe: str | None = RecipeOpt,
+    overrides: list[str] | None = SetOpt,
+    output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds "
                                              "this run)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Training steps."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Run seed."),
-    executor: Optional[str] = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor "
+    steps: int | None = typer.Option(None, "--steps", help="Training steps."),
+    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
+    seed: int | None = typer.Option(None, "--seed", help="Run seed."),
+    executor: str | None = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors)."),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor "
                                               "ray); default: start a local Ray instance."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device."),
 ) -> None:
@@ -393,7 +393,7 @@ def run() -> None:
         sys.exit(130)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except Exception as exc:  # noqa: BLE001  click's usage errors and runtime failures
+    except Exception as exc:
         # typer's (vendored) click: usage errors know how to show themselves
         if type(exc).__name__ == "NoArgsIsHelpError":
             sys.exit(EXIT_USAGE)  # the help text is already printed

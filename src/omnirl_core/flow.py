@@ -129,7 +129,7 @@ class DenoiserModel:
         if self.lora is not None:
             state = load_file(str(directory / "pytorch_lora_weights.safetensors"))
             prefix = "transformer."
-            self.load_trained_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v
+            self.load_trained_state_dict({k.removeprefix(prefix): v
                                           for k, v in state.items()})
         else:
             weights = sorted((directory / "transformer").glob("*.safetensors"))

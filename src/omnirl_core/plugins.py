@@ -90,7 +90,7 @@ class PluginManager:
                 continue
             try:
                 module = ep.load()
-            except Exception as exc:  # a broken plugin must not take the CLI down
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the CLI down
                 self._mark_broken(info, exc)
                 continue
             self._register(module, info)
@@ -100,7 +100,7 @@ class PluginManager:
             info = PluginInfo(name=module_name.rsplit(".", 1)[-1], module=module_name)
             try:
                 module = importlib.import_module(module_name)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
                 self._mark_broken(info, exc)
                 continue
             self._register(module, info)
@@ -115,7 +115,7 @@ class PluginManager:
         try:
             self.pm.register(plugin, name=info.name)
             self.pm.check_pending()  # a misspelt hook name is an error, not silence
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             self._mark_broken(info, exc)
@@ -133,7 +133,7 @@ class PluginManager:
                         spec.version = spec.version or info.version
                         self.registries[kind].add(spec)
                         info.components.append(f"{kind}:{spec.name}")
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
                     self._mark_broken(info, exc)
                     return
 

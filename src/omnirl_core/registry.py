@@ -148,7 +148,7 @@ class DeviceSpec(ComponentSpec):
     def available(self) -> int:
         try:
             return int(self.load_factory()())
-        except Exception:  # a probe must never take a run down
+        except Exception:  # noqa: BLE001 - a probe must never take a run down
             return 0
 
     def summary(self) -> dict[str, Any]:

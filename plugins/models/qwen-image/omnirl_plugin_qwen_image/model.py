@@ -7,7 +7,6 @@ latent grid; ``velocity`` packs them into 2x2 patches for the transformer and un
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 from typing import Any
 

@@ -14,8 +14,12 @@ TINY_VERSION = 2  # bump when the tiny architecture changes (invalidates the on-
 def build_tiny_pipeline(seed: int = 0, tokenizer=None):
     """A QwenImagePipeline with random weights: transformer 2 layers / 3 heads x 16, VAE z_dim 4 (x4 spatial),
     text encoder hidden 16 / 2 layers with the full Qwen2 vocabulary."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from omnirl_core.tiny import QWEN2_VOCAB_SIZE, qwen2_tokenizer
@@ -51,20 +55,20 @@ def build_tiny_pipeline(seed: int = 0, tokenizer=None):
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in
            ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_end|>", "<|endoftext|>")}
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=text_hidden,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-            rope_theta=1_000_000.0,
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text_hidden),
+        text_config={
+            "hidden_size": text_hidden,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": vocab,
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+            "rope_theta": 1_000_000.0,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={"depth": 2, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": text_hidden},
         hidden_size=text_hidden,
         vocab_size=vocab,
         vision_start_token_id=ids["<|vision_start|>"],

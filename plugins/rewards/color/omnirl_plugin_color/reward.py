@@ -54,7 +54,7 @@ class ColorMatch:
             arr = image.detach().float().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
             h, w = arr.shape[-2:]
             f = self.options.region
-            dh, dw = int(round(h * (1 - f) / 2)), int(round(w * (1 - f) / 2))
+            dh, dw = round(h * (1 - f) / 2), round(w * (1 - f) / 2)
             crop = arr[..., dh:h - dh, dw:w - dw]
             mean = crop.reshape(3, -1).mean(axis=1)
             target = np.asarray(named_color(prompt))

@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-
 from omnirl_plugin_color.reward import ColorMatch, named_color
 
 

@@ -1,5 +1,4 @@
 import torch
-
 from omnirl_plugin_jpeg.reward import JpegCompressibility, JpegOptions
 
 
