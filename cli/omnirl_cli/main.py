@@ -340,7 +340,9 @@ def train(
         }
         typer.echo(yaml.safe_dump(plan, sort_keys=False))
         return
-    resuming = run_dir.saved_config() is not None
+    from omnirl_core.checkpoint import latest_checkpoint
+
+    resuming = latest_checkpoint(run_path) is not None  # a directory whose first attempt failed starts over
     run_dir.prepare(dump, resolved.lock(manager))
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
     _train(resolved, run_path)
