@@ -23,7 +23,7 @@ from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.rewards import RewardFn, RewardSet, RewardStream
-from omnirl_core.worker import Worker, attach_reference, reference_placement
+from omnirl_core.worker import Worker, reference_placement
 
 
 def build_rewards(resolved: ResolvedRun) -> RewardSet:
@@ -120,9 +120,10 @@ class InlineExecutor:
 
     def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
         assert self.worker is not None
-        if self.reference is not None:
-            attach_reference(units, self.reference.reference_outputs(units))
-        return self.worker.update(units, step, algorithm)
+        if self.reference is None:
+            return self.worker.update(units, step, algorithm)
+        reference = self.reference
+        return self.worker.update(units, step, algorithm, reference=lambda: reference.reference_outputs(units))
 
     def sync_weights(self) -> dict[str, float]:
         return {}  # one model serves rollout and training

@@ -97,6 +97,8 @@ class FlowPolicyGradient:
 
     reference_fields = ("ref_mean",)
     """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
+    pending_reference = None
+    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     needs_old_mean = False
     """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``
@@ -138,7 +140,7 @@ class FlowPolicyGradient:
             if self.recompute:
                 # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
                 metrics.update(step_diagnostics(record_deltas(units, logp)))
-        if self.uses_reference and any(u.ref_mean is None for u in units):
+        if self.uses_reference and self.pending_reference is None and any(u.ref_mean is None for u in units):
             with model.reference():
                 self.reference_prepare(model, units)
         return metrics

@@ -7,8 +7,9 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
   rollout  ``placement: split`` only: a rollout worker; weights are synced to it after each update
            (LoRA only when training LoRA, the full denoiser otherwise);
   reference ``run.reference=separate`` and an algorithm with a KL term: a worker holding the frozen base
-           model; before each update it evaluates the reference outputs of the batch, which go to every
-           train rank with the units (the actor then keeps no frozen copy in full fine-tuning);
+           model; at each update it evaluates the reference outputs of the batch while the train ranks run
+           their own no-grad pass (old log-probs), and every rank fetches them before its first loss (the
+           actor then keeps no frozen copy in full fine-tuning);
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare.
 
 Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator, each finished sample an
@@ -29,7 +30,7 @@ from omnirl_core.errors import UsageError
 from omnirl_core.executors import WorkerCheckpoint, build_rewards
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.worker import Worker, attach_reference, reference_placement
+from omnirl_core.worker import Worker, reference_placement
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -59,10 +60,13 @@ class WorkerActor:
     def generate(self, requests: list[GenRequest]):
         yield from self.worker.generate(requests)
 
-    def update(self, units: list[Any], step: int, reference: list[dict[str, Any]] | None = None) -> dict[str, float]:
-        if reference is not None:
-            attach_reference(units, reference)
-        return self.worker.update(units, step)
+    def update(self, units: list[Any], step: int, reference: list[Any] | None = None) -> dict[str, float]:
+        """``reference``: [ObjectRef] of the reference worker's outputs, boxed in a list so that Ray does not
+        wait for it before the call: the actor runs its own no-grad pass first, then fetches it."""
+        import ray
+
+        fetch = (lambda: ray.get(reference[0])) if reference else None
+        return self.worker.update(units, step, reference=fetch)
 
     def reference_outputs(self, units: list[Any]) -> list[dict[str, Any]]:
         return self.worker.reference_outputs(units)
@@ -293,8 +297,8 @@ class RayExecutor:
 
         ref = ray.put(units)
         reference = None
-        if self.reference_worker is not None:  # the reference group's outputs go to every rank
-            reference = self.reference_worker.reference_outputs.remote(ref)
+        if self.reference_worker is not None:  # computed beside the actor's own pass, sent to every rank
+            reference = [self.reference_worker.reference_outputs.remote(ref)]
         return ray.get([w.update.remote(ref, step, reference) for w in self.train])[0]
 
     def set_old_logprob(self, mode: str) -> None:

@@ -74,6 +74,8 @@ class TokenPolicyGradient:
 
     reference_fields = ("ref_logprobs",)
     """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
+    pending_reference = None
+    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     def __init__(self, options: Any, config: RunConfig):
         self.options = options
@@ -113,7 +115,7 @@ class TokenPolicyGradient:
             log_w = sequence_log_weights(logp, rollout, mask, self.config.train.rs_aggregate)
             for u, w in zip(units, log_w.tolist()):
                 u.log_weight = w
-        if self.uses_reference and any(u.ref_logprobs is None for u in units):
+        if self.uses_reference and self.pending_reference is None and any(u.ref_logprobs is None for u in units):
             with model.reference():
                 self.reference_prepare(model, units)
         return metrics

@@ -75,12 +75,21 @@ class MetricMean:
 
 
 def prepare_all(algorithm: Any, model: Any, units: list[Any], micro_batch_size: int, metrics: MetricMean) -> None:
-    """``algorithm.prepare`` over every unit, without grad (old log-probs, reference outputs)."""
+    """``algorithm.prepare`` over every unit, without grad (old log-probs, reference outputs).
+
+    With a separate reference worker, the worker sets ``algorithm.pending_reference`` (a callable that waits
+    for that worker's outputs): ``prepare`` then skips the reference, so the actor's own no-grad pass runs
+    while the reference worker computes, and the outputs are attached here, before any loss."""
     import torch
 
     with torch.no_grad():
         for micro in chunks(units, micro_batch_size):
             metrics.add(algorithm.prepare(model, micro), len(micro))
+    pending = getattr(algorithm, "pending_reference", None)
+    if pending is not None:
+        from omnirl_core.worker import attach_reference
+
+        attach_reference(units, pending())
 
 
 def sample_blocks(units: list[Any]) -> list[list[Any]]:

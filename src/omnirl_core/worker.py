@@ -9,7 +9,7 @@ inside Ray actors, so both executors compute the very same numbers.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -133,8 +133,18 @@ class Worker:
         return [{name: getattr(u, name) for name in fields} for u in units]
 
     # -- training ------------------------------------------------------------------------------
-    def update(self, units: list[Any], step: int, algorithm: Any = None) -> dict[str, float]:
-        return self.trainer.update(algorithm or self.algorithm, units, step)
+    def update(self, units: list[Any], step: int, algorithm: Any = None,
+               reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
+        """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
+        fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
+        algorithm = algorithm or self.algorithm
+        if reference is None:
+            return self.trainer.update(algorithm, units, step)
+        algorithm.pending_reference = reference
+        try:
+            return self.trainer.update(algorithm, units, step)
+        finally:
+            algorithm.pending_reference = None
 
     def set_old_logprob(self, mode: str) -> None:
         """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""

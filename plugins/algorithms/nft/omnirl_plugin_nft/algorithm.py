@@ -103,6 +103,8 @@ def _adaptive(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 class DiffusionNFT:
     reference_fields = ("v_ref",)
     """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
+    pending_reference = None
+    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     def __init__(self, options: NFTConfig | None, config: RunConfig):
         self.options = o = options or NFTConfig()
@@ -192,7 +194,7 @@ class DiffusionNFT:
             v_old = self._velocity(model, units)
         for u, v in zip(units, v_old):
             u.v_old = v.detach()
-        if self.uses_reference and any(u.v_ref is None for u in units):
+        if self.uses_reference and self.pending_reference is None and any(u.v_ref is None for u in units):
             with model.reference():
                 self.reference_prepare(model, units)
         return {"nft/ema_decay": self.decay(self.updates), "nft/sampler_lag_rms": sampler.distance()}
