@@ -12,10 +12,11 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
            actor then keeps no frozen copy in full fine-tuning);
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare.
 
-Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator, each finished sample an
-object in Ray's store. In async mode the controller hands each one to a reward actor the moment it
-appears (the sample goes from store to reward actor, not through the controller), so rewards overlap the
-rest of the rollout; in sync mode the batch is scored after the rollout. The update waits for all of it.
+Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator; each finished sample
+becomes two objects in Ray's store, its reward view (output, prompt, inputs: what rewards read) and the
+sample. In async mode the controller hands each view to a reward actor the moment it appears (it goes
+from store to reward actor, not through the controller), so rewards overlap the rest of the rollout; in
+sync mode the views are scored after the rollout. The update waits for all of it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class WorkerActor:
         self.worker.setup()
 
     def generate(self, requests: list[GenRequest]):
-        yield from self.worker.generate(requests)
+        """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
+        for sample in self.worker.generate(requests):
+            yield reward_view(sample)
+            yield sample
 
     def update(self, units: list[Any], step: int, reference: list[Any] | None = None) -> dict[str, float]:
         """``reference``: [ObjectRef] of the reference worker's outputs, boxed in a list so that Ray does not
@@ -88,6 +92,12 @@ class WorkerActor:
 
     def load_state(self, directory: str) -> None:
         self.worker.load_state(directory)
+
+
+def reward_view(sample: Sample) -> Sample:
+    """The part of a sample its rewards read (output, prompt, request inputs), without the trajectory and the
+    conditioning: what travels to a reward actor."""
+    return Sample(request=sample.request, latents=None, sigmas=None, logprobs=None, output=sample.output)
 
 
 class RewardActor:
@@ -264,15 +274,19 @@ class RayExecutor:
 
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
-        refs, calls = [], []
-        for ref in self.rollout_worker.generate.options(num_returns="streaming").remote(requests):
-            refs.append(ref)
+        refs, views, calls = [], [], []
+        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests)
+        for index, ref in enumerate(stream):  # a sample's reward view, then the sample
+            if index % 2:
+                refs.append(ref)
+                continue
+            views.append(ref)
             if mode == "async":  # straight from the object store to a reward actor
                 calls.append(self._reward_actor().score.remote(ref))
         rollout_end = time.perf_counter()
         if mode == "sync":
-            size = -(-len(refs) // len(self.reward_actors)) if refs else 1
-            calls = [self._reward_actor().score.remote(*refs[i:i + size]) for i in range(0, len(refs), size)]
+            size = -(-len(views) // len(self.reward_actors)) if views else 1
+            calls = [self._reward_actor().score.remote(*views[i:i + size]) for i in range(0, len(views), size)]
         samples: list[Sample] = ray.get(refs)
         results = ray.get(calls)
         end = time.perf_counter()
