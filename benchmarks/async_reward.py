@@ -30,7 +30,7 @@ PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a n
 
 
 def workload(args, reward: list[dict], workers: int) -> dict:
-    run = {"reward_workers": workers, "seed": 3}
+    run = {"reward_workers": workers, "reward_concurrency": args.concurrency, "seed": 3}
     if args.executor == "ray":  # a colocated actor+rollout worker on both cores, reward actors beside it
         run.update({"executor": "ray", "worker_cpus": 2.0})
     return {
@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="image height and width (pixels)")
     parser.add_argument("--num-steps", type=int, default=10, help="sampling steps per image")
     parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts, 32 px, 6 steps")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="calls each reward worker serves at once (run.reward_concurrency)")
     parser.add_argument("--executor", choices=("inline", "ray"), default="inline",
                         help="ray: a local Ray instance, reward actors instead of threads")
     parser.add_argument("--only", choices=("http_judge", "ocr"), default=None, help="run one scenario")

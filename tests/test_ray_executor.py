@@ -90,7 +90,9 @@ def test_ray_split_run_syncs_lora_and_matches_inline(ray_cluster, inline_metrics
 
 
 def test_ray_separate_reference_worker_matches_inline(ray_cluster, inline_metrics, tmp_path: Path):
-    got = _metrics(tmp_path, executor="ray", reference="separate", worker_cpus=0.5)
+    # one threaded reward actor serving 2 calls at once instead of 2 reward processes
+    got = _metrics(tmp_path, executor="ray", reference="separate", worker_cpus=0.5, reward_workers=1,
+                   reward_concurrency=2)
     _same(inline_metrics, got)
     assert all(r["kl"] > 0 for r in got)  # the KL term was computed, from the reference worker's outputs
 

@@ -143,6 +143,10 @@ class RunSection(Section):
     reward_workers: int = Field(
         2, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray)."
     )
+    reward_concurrency: int = Field(
+        1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
+        "on I/O, such as a remote judge, rather than adding reward processes.",
+    )
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
     sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
     log_every: int = Field(1, ge=1, description="Progress update every N steps.")

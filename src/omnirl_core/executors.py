@@ -77,7 +77,7 @@ class InlineExecutor:
             self.reference = Worker(self.resolved, {"reference"}, algorithm=algorithm)
             self.reference.setup()
         self.rewards = build_rewards(self.resolved)
-        self.stream = RewardStream(self.rewards, run.reward_workers, run.reward_mode)
+        self.stream = RewardStream(self.rewards, run.reward_workers * run.reward_concurrency, run.reward_mode)
 
     def rollout_threads(self) -> int | None:
         """Torch threads for a rollout that CPU-bound rewards overlap on the same cores, or None (leave them).
@@ -94,7 +94,7 @@ class InlineExecutor:
         if run.rollout_threads is not None:
             return run.rollout_threads
         need = max((spec.resources.get("CPU", 0.0) for spec in self.resolved.rewards), default=0.0)
-        reserve = int(need * run.reward_workers)
+        reserve = int(need * run.reward_workers * run.reward_concurrency)
         return max(1, torch.get_num_threads() - reserve) if reserve else None
 
     def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:

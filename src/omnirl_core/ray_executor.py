@@ -10,7 +10,8 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
            model; at each update it evaluates the reference outputs of the batch while the train ranks run
            their own no-grad pass (old log-probs), and every rank fetches them before its first loss (the
            actor then keeps no frozen copy in full fine-tuning);
-  reward   ``run.reward_workers`` reward actors with the resources the rewards declare.
+  reward   ``run.reward_workers`` reward actors with the resources the rewards declare, each serving
+           ``run.reward_concurrency`` calls at once (threads, for rewards that wait on I/O).
 
 Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator; each finished sample
 becomes two objects in Ray's store, its reward view (output, prompt, inputs: what rewards read) and the
@@ -223,7 +224,8 @@ class RayExecutor:
             reference_pool = self._pool("reference", [_bundle(worker_opts)])
             self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1)
         reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
-        self.reward_actors = [self._place(RewardActor, reward_pool, i, reward_opts, r)
+        actor_opts = {**reward_opts, "max_concurrency": run.reward_concurrency}
+        self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r)
                               for i in range(run.reward_workers)]
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:

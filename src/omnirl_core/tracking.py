@@ -19,7 +19,7 @@ RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
     "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
-    "run.reference", "run.rollout_threads",
+    "run.reference", "run.rollout_threads", "run.reward_concurrency",
 )
 
 
