@@ -145,7 +145,7 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     probe.train_step(1)
     rollout_s = probe.train_step(2)["time/rollout_s"]
     probe.executor.close()
-    latency = 0.8 * rollout_s * workers / (args.prompts * 4)
+    latency = 0.8 * rollout_s * workers * args.concurrency / (args.prompts * 4)
     judge, url = start_judge(latency)
     try:
         t0 = time.perf_counter()

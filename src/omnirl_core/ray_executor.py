@@ -286,8 +286,9 @@ class RayExecutor:
             if mode == "async":  # straight from the object store to a reward actor
                 calls.append(self._reward_actor().score.remote(ref))
         rollout_end = time.perf_counter()
-        if mode == "sync":
-            size = -(-len(views) // len(self.reward_actors)) if views else 1
+        if mode == "sync":  # one chunk per call slot: actors x the calls each serves at once
+            slots = len(self.reward_actors) * self.resolved.config.run.reward_concurrency
+            size = -(-len(views) // slots) if views else 1
             calls = [self._reward_actor().score.remote(*views[i:i + size]) for i in range(0, len(views), size)]
         samples: list[Sample] = ray.get(refs)
         results = ray.get(calls)
