@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -44,7 +45,31 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
     if layout == "one-sample-minibatches":
         # 3 samples in 3 minibatches: with 2 ranks, rank 1 has nothing of its own in any of them
         layers.append({"rollout": {"prompts_per_step": 1, "group_size": 3}, "train": {"minibatches": 3}})
+    if layout == "bypass-mismatch":
+        # bypass mode, one unit per micro-batch: RS masks are decided step by step and fixed up afterwards
+        # (a clip range wide enough that the offset ratios stay inside it: every unit has a gradient)
+        layers.append({"train": {"old_logprob": "bypass", "micro_batch_size": 1, "minibatches": 1},
+                       "algorithm": {"options": {"clip_range": 0.2}}})
     return resolve_run(manager, layers)
+
+
+def mismatch_rollout(samples, step: int, train) -> None:
+    """Stands in for a rollout engine whose log-probs are off (a boundary this machine cannot reach: another
+    kernel, another precision): per-step offsets on the recorded log-probs, the same on every rank and
+    engine. Trainer and rollout weights are equal, so each step's delta is minus its offset; the RS band is
+    set between one sample's first-step and all-step weights, so that its mask flips once it is complete."""
+    gen = torch.Generator().manual_seed(100 + step)
+    best = None
+    for s in samples:
+        offset = 0.02 * torch.randn(s.logprobs.shape, generator=gen)
+        s.logprobs = s.logprobs + offset
+        trained = list(s.request.plan.train_steps)
+        first, full = -float(offset[trained[0]]), -float(offset[trained].mean())
+        if best is None or abs(first - full) > abs(best[0] - best[1]):
+            best = (first, full)
+    first, full = best
+    edge = math.exp((first + full) / 2)
+    train.rs_band = (edge, 100.0) if full > first else (1e-3, edge)
 
 
 def main() -> None:
@@ -54,7 +79,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
-    parser.add_argument("--layout", default="default", choices=("default", "one-sample-minibatches"))
+    parser.add_argument("--layout", default="default",
+                        choices=("default", "one-sample-minibatches", "bypass-mismatch"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -79,6 +105,8 @@ def main() -> None:
         samples.sort(key=lambda s: s.request.uid)
         for s in samples:  # a reward that depends on nothing but the image: the mean red channel
             s.reward = float(s.output[0].mean())
+        if args.layout == "bypass-mismatch":
+            mismatch_rollout(samples, step, resolved.config.train)
         controller.algorithm.assign_advantages(samples)
         metrics[step] = worker.update(controller.algorithm.training_units(samples), step)
         state = worker.trained_state()

@@ -94,3 +94,20 @@ def test_a_rank_with_no_samples_of_its_own_still_matches(tmp_path: Path):
         assert set(metrics) == set(got_m[step])
         for key in ("loss", "rs/rejected_frac", "is/seq_weight_max", "logprob/abs_delta_max"):
             assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_bypass_mask_fix_ups_on_two_ranks_match_the_single_process(tmp_path: Path):
+    """Bypass mode with a mismatched rollout (offsets on its log-probs) and a band that flips a sample's
+    mask once all its steps are seen: the ranks agree on their fix-up passes and the update equals the
+    single-process engine's."""
+    layout = ("--layout", "bypass-mismatch")
+    _launch(tmp_path / "torch", "torch", True, extra=layout)
+    _launch(tmp_path / "fsdp2", "fsdp2", True, world=2, extra=layout)
+    ref_m = json.loads((tmp_path / "torch" / "metrics.json").read_text())
+    got_m = json.loads((tmp_path / "fsdp2" / "metrics.json").read_text())
+    for step in (1, 2):
+        assert ref_m[str(step)]["rs/corrected_units"] > 0 and got_m[str(step)]["rs/corrected_units"] > 0
+        assert got_m[str(step)]["rs/rejected_frac"] == pytest.approx(ref_m[str(step)]["rs/rejected_frac"])
+        ref = load_file(str(tmp_path / "torch" / f"state-{step}.safetensors"))
+        got = load_file(str(tmp_path / "fsdp2" / f"state-{step}.safetensors"))
+        assert _max_diff(ref, got) < 1e-5, step
