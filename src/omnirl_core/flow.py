@@ -50,6 +50,15 @@ class DenoiserModel:
                 self._reference_copy = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
         self.denoiser.train()
 
+    lockstep = False
+    """Set by a sharded train engine when the model trains several modules: every call must then run each
+    trained module (a rank with no input for one still joins its collectives), as the ranks must agree."""
+
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules training updates, by name (a sharded engine wraps each); one denoiser by default, a
+        model with several (Wan2.2 A14B's two experts) names them all."""
+        return {"denoiser": self.denoiser}
+
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Modules never trained (text encoders, VAE)."""
         return []

@@ -1,6 +1,7 @@
 """FSDP2 training engine: ``torch.distributed.fsdp.fully_shard`` over the ranks of a process group.
 
-Every block of the denoiser's top-level ``ModuleList``s is sharded, then the root: parameters (frozen base
+For each trained module (``model.trained_modules()``: the denoiser, or both experts of Wan2.2 A14B) every
+block of its top-level ``ModuleList``s is sharded, then the module itself: parameters (frozen base
 weights and LoRA adapters alike), gradients and AdamW state live as DTensor shards, one per rank.
 
 One training step, on every rank: (1) ``algorithm.prepare`` over every unit without grad (each rank
@@ -82,11 +83,16 @@ class FSDP2TrainEngine:
         ensure_process_group(self.options.backend or default_backend(device.type))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.comm_device = device  # small collectives live where the backend wants them (nccl: CUDA)
-        denoiser = model.denoiser
-        for block in _blocks(denoiser, self.options.shard_modules):
-            fully_shard(block, reshard_after_forward=self.options.reshard_after_forward)
-        fully_shard(denoiser, reshard_after_forward=self.options.reshard_after_forward)
-        self.named_params = [(n, p) for n, p in denoiser.named_parameters() if p.requires_grad]
+        modules = model.trained_modules() if hasattr(model, "trained_modules") else {"denoiser": model.denoiser}
+        if len(modules) > 1:  # ranks route their samples differently: every module runs in every call
+            model.lockstep = True
+        self.named_params = []
+        for key, module in modules.items():  # each trained module (Wan2.2 A14B: both experts) sharded alike
+            for block in _blocks(module, self.options.shard_modules):
+                fully_shard(block, reshard_after_forward=self.options.reshard_after_forward)
+            fully_shard(module, reshard_after_forward=self.options.reshard_after_forward)
+            prefix = f"{key}." if len(modules) > 1 else ""  # one module: the names of earlier checkpoints
+            self.named_params += [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.named_params:
             raise ValueError("the model has no trainable parameters (LoRA not added / everything frozen)")
         self.optimizer = torch.optim.AdamW(

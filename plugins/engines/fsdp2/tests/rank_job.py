@@ -22,8 +22,8 @@ from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 from omnirl_core.worker import Worker
 
-PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
-           "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_color"]
+PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_wan22", "omnirl_plugin_flowgrpo",
+           "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_color"]
 
 
 def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
@@ -45,6 +45,12 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
     if layout == "one-sample-minibatches":
         # 3 samples in 3 minibatches: with 2 ranks, rank 1 has nothing of its own in any of them
         layers.append({"rollout": {"prompts_per_step": 1, "group_size": 3}, "train": {"minibatches": 3}})
+    if layout == "wan-a14b":
+        # two trained modules: both experts of Wan2.2 A14B (3 steps: the trained ones use both experts)
+        layers.append({
+            "model": {"name": "wan2.2", "options": {"layout": "a14b", "max_sequence_length": 16}},
+            "rollout": {"height": 16, "width": 16, "num_frames": 5},
+        })
     if layout == "bypass-mismatch":
         # bypass mode, one unit per micro-batch: RS masks are decided step by step and fixed up afterwards
         # (a clip range wide enough that the offset ratios stay inside it: every unit has a gradient)
@@ -80,7 +86,7 @@ def main() -> None:
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
     parser.add_argument("--layout", default="default",
-                        choices=("default", "one-sample-minibatches", "bypass-mismatch"))
+                        choices=("default", "one-sample-minibatches", "bypass-mismatch", "wan-a14b"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -111,3 +111,22 @@ def test_bypass_mask_fix_ups_on_two_ranks_match_the_single_process(tmp_path: Pat
         ref = load_file(str(tmp_path / "torch" / f"state-{step}.safetensors"))
         got = load_file(str(tmp_path / "fsdp2" / f"state-{step}.safetensors"))
         assert _max_diff(ref, got) < 1e-5, step
+
+
+def test_both_wan_a14b_experts_are_sharded_and_match_the_single_process(tmp_path: Path):
+    """Two trained modules (Wan2.2 A14B's high- and low-noise experts): each is sharded, both learn, and
+    the update equals the single-process engine's; the sharded checkpoint holds both."""
+    layout = ("--layout", "wan-a14b")
+    _launch(tmp_path / "torch", "torch", True, extra=layout)
+    _launch(tmp_path / "fsdp2", "fsdp2", True, world=2, extra=(*layout, "--save-shards"))
+    init = load_file(str(tmp_path / "torch" / "state-0.safetensors"))
+    for step in (1, 2):
+        ref = load_file(str(tmp_path / "torch" / f"state-{step}.safetensors"))
+        got = load_file(str(tmp_path / "fsdp2" / f"state-{step}.safetensors"))
+        assert _max_diff(ref, got) < 1e-5, step
+    moved = load_file(str(tmp_path / "fsdp2" / "state-1.safetensors"))
+    for expert in ("transformer.", "transformer_2."):
+        keys = [k for k in init if k.startswith(expert)]
+        assert keys and max(float((moved[k] - init[k]).abs().max()) for k in keys) > 1e-3, expert
+    names = load_file(str(tmp_path / "fsdp2" / "ckpt" / "shards" / "rank-00000-of-00002.safetensors"))
+    assert any(k.startswith("param/transformer_2.") for k in names)

@@ -99,15 +99,20 @@ class Wan22Model(DenoiserModel):
 
     @property
     def denoiser(self) -> torch.nn.Module:
-        """The trained expert, for code that trains one module (the fsdp2 engine shards ``model.denoiser``).
-        With both A14B experts trained there is no single one: refused rather than training half the policy."""
+        """The trained expert, for code that trains one module. With both A14B experts trained there is no
+        single one: refused rather than training half the policy (engines use ``trained_modules``)."""
         if len(self.trained) > 1:
             raise UsageError(
-                "Wan2.2 A14B trains both experts here, but the train engine works on one module "
-                "(model.denoiser), so it would leave the low-noise expert untrained.",
-                hint="Use the torch train engine, or set model.options.train_experts=high or low.",
+                "Wan2.2 A14B trains both experts here, but this code works on one module (model.denoiser), "
+                "so it would leave the low-noise expert untrained.",
+                hint="Use a train engine that reads model.trained_modules() (torch, fsdp2), or set "
+                     "model.options.train_experts=high or low.",
             )
         return self.experts[self.trained[0]]
+
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        """Every trained expert by component name (``transformer``, ``transformer_2``): fsdp2 shards each."""
+        return {name: self.experts[name] for name in self.trained}
 
     @denoiser.setter
     def denoiser(self, module: torch.nn.Module) -> None:
@@ -229,29 +234,44 @@ class Wan22Model(DenoiserModel):
     ) -> torch.Tensor:
         x = latents.to(self.device, self.dtype)
         sigma = sigma.to(self.device)
+        if guidance_scale > 1.0 and uncond is None:
+            raise ValueError("CFG needs the unconditional conditioning")
         parts, order = [], []
-        for name, idx in self._route(sigma):
+        routes = dict(self._route(sigma))
+        idle = 0.0
+        for name in self.experts:  # a fixed order: high-noise, then low-noise
+            idx = routes.get(name)
+            if idx is None:
+                if self.lockstep and name in self.trained:
+                    # a sharded engine's ranks must make the same collective calls: this rank has no sample
+                    # for the expert, so it runs it on one row and adds the result times 0
+                    idle = idle + 0.0 * self._expert_velocity(name, x[:1], sigma[:1], cond.select([0]),
+                                                              None if uncond is None else uncond.select([0]),
+                                                              guidance_scale).sum()
+                continue
             whole = idx.numel() == x.shape[0]
             pick = idx.tolist()
-            xs, ss = (x, sigma) if whole else (x[idx], sigma[idx])
-            c = cond if whole else cond.select(pick)
-            v = self._forward(self.experts[name], xs, ss, c)
-            scale = guidance_scale
-            if name == LOW and self.options.guidance_scale_2 is not None and guidance_scale > 1.0:
-                scale = self.options.guidance_scale_2
-            if guidance_scale > 1.0:
-                if uncond is None:
-                    raise ValueError("CFG needs the unconditional conditioning")
-                with torch.no_grad():  # the unconditional branch is detached in training
-                    v_u = self._forward(self.experts[name], xs, ss, uncond if whole else uncond.select(pick))
-                v = v_u + scale * (v - v_u)
-            parts.append(v)
+            parts.append(self._expert_velocity(
+                name, x if whole else x[idx], sigma if whole else sigma[idx], cond if whole else cond.select(pick),
+                None if uncond is None else (uncond if whole else uncond.select(pick)), guidance_scale))
             order.append(idx)
         if len(parts) == 1:
-            return parts[0]
+            return parts[0] + idle if self.lockstep else parts[0]
         # back to the batch order (differentiable: a gather, no in-place writes)
         inverse = torch.argsort(torch.cat(order))
         return torch.cat(parts)[inverse]
+
+    def _expert_velocity(self, name: str, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                         uncond: Conditioning | None, guidance_scale: float) -> torch.Tensor:
+        v = self._forward(self.experts[name], x, sigma, cond)
+        if guidance_scale <= 1.0:
+            return v
+        scale = guidance_scale
+        if name == LOW and self.options.guidance_scale_2 is not None:
+            scale = self.options.guidance_scale_2
+        with torch.no_grad():  # the unconditional branch is detached in training
+            v_u = self._forward(self.experts[name], x, sigma, uncond)
+        return v_u + scale * (v - v_u)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
