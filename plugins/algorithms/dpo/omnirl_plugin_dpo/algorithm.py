@@ -124,6 +124,11 @@ def load_image(path: str, height: int, width: int) -> torch.Tensor:
 
 
 class DiffusionDPO:
+    reference_fields = ("ref_error",)
+    """What ``reference_prepare`` stores on each pair (a separate reference worker sends these back)."""
+    pending_reference = None
+    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
+
     def __init__(self, options: DPOConfig | None, config: RunConfig):
         self.options = o = options or DPOConfig()
         self.config = config
@@ -224,6 +229,18 @@ class DiffusionDPO:
             u.sigma = training_sigmas(1, gen, o.sigma_sampling, o.sigma_min, o.sigma_max, o.logit_mean,
                                       o.logit_std)[0]
 
+    def reference_prepare(self, model: Any, units: list[PreferencePair]) -> None:
+        """Without grad, ``model`` being the reference (base) policy: its errors on winners and losers
+        (offline pairs are encoded first: a reference worker encodes its own copy)."""
+        if units[0].chosen is None:
+            self._encode_offline(model, units)
+        self._store_reference_errors(model, units)
+
+    def _store_reference_errors(self, model: Any, units: list[PreferencePair]) -> None:
+        ref_w, ref_l = self._errors(model, units)
+        for u, a, b in zip(units, ref_w, ref_l):
+            u.ref_error = torch.stack([a, b]).detach()
+
     def _errors(self, model: Any, units: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor]:
         """e(x0) of winners and losers under the model's current weights: one batched velocity call."""
         device = getattr(model, "device", torch.device("cpu"))
@@ -264,15 +281,14 @@ class DiffusionDPO:
         if units[0].chosen is None:
             self._encode_offline(model, units)
         if self.uses_reference:
-            with model.reference():
-                ref_w, ref_l = self._errors(model, units)
+            if self.pending_reference is None and any(u.ref_error is None for u in units):
+                with model.reference():
+                    self.reference_prepare(model, units)
         else:
             self._refresh_snapshot(model, units[0].step)
             assert self.snapshot is not None
             with self.snapshot.swapped():
-                ref_w, ref_l = self._errors(model, units)
-        for u, a, b in zip(units, ref_w, ref_l):
-            u.ref_error = torch.stack([a, b]).detach()
+                self._store_reference_errors(model, units)
         return {"dpo/reference_step": float(self._snapshot_step)} if not self.uses_reference else {}
 
     def loss(self, model: Any, units: list[PreferencePair], first_update: bool = False):

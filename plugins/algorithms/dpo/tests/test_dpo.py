@@ -217,3 +217,19 @@ def test_cli_offline_run(tmp_path: Path):
                    "--set", f"algorithm.options.preference_file={prefs}", "--set", "algorithm.options.pairs_per_step=4")
     assert len(records) == 2 and "dpo/reward_gap" not in records[0]
     assert math.isfinite(records[-1]["loss"]) and "reward/mean" in records[-1]
+
+
+def test_a_separate_reference_worker_gives_the_actors_reference_errors(tmp_path: Path):
+    """Online DPO with the base model as reference: a reference worker (here in-process) computes the
+    errors the actor would compute with its adapters disabled; the runs are the same."""
+    from omnirl_core.testing import run_train
+
+    args = ["--model", "qwen-image", "--algo", "dpo", "--preset", "tiny", "--steps", "2",
+            "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4", "--set", "rollout.num_steps=4"]
+    own = run_train(tmp_path / "own", *args)
+    separate = run_train(tmp_path / "separate", *args, "--set", "run.reference=separate")
+    keys = [k for k in own[-1] if k.startswith(("reward/", "loss", "dpo/"))]
+    assert any(k.startswith("dpo/") for k in keys)
+    for a, b in zip(own, separate):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
