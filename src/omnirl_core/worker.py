@@ -138,13 +138,15 @@ class Worker:
         """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
         fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
         algorithm = algorithm or self.algorithm
-        if reference is None:
-            return self.trainer.update(algorithm, units, step)
         algorithm.pending_reference = reference
         try:
-            return self.trainer.update(algorithm, units, step)
+            metrics = self.trainer.update(algorithm, units, step)
         finally:
             algorithm.pending_reference = None
+        # optional algorithm hook after the optimizer steps (DiffusionNFT folds them into its EMA sampler)
+        if hasattr(algorithm, "after_update"):
+            algorithm.after_update(self.model)
+        return metrics
 
     def set_old_logprob(self, mode: str) -> None:
         """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""
@@ -154,8 +156,16 @@ class Worker:
 
     # -- weight sync ---------------------------------------------------------------------------
     def trained_state(self) -> dict[str, Any] | None:
-        """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0."""
-        state = export_trained_state(self.model, self.trainer)
+        """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0. An
+        algorithm that samples with other weights than the trained ones (DiffusionNFT's EMA) swaps them in
+        for the export through its optional ``sync_policy(model)`` hook."""
+        hook = getattr(self.algorithm, "sync_policy", None)
+        if hook is None:
+            state = export_trained_state(self.model, self.trainer)
+        else:
+            with hook(self.model):
+                # copies: exported CPU tensors may share storage with the parameters the hook restores
+                state = {k: v.clone() for k, v in export_trained_state(self.model, self.trainer).items()}
         return state if self.rank == 0 else None
 
     def load_trained_state(self, state: dict[str, Any]) -> None:

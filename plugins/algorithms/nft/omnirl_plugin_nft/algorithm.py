@@ -112,13 +112,8 @@ class DiffusionNFT:
         self.uses_reference = o.kl_weight > 0
         if o.sigma_min >= o.sigma_max:
             raise ConfigError(f"NFT sigma_min {o.sigma_min} must be below sigma_max {o.sigma_max}.")
-        if config.run.executor == "ray" and config.run.placement == "split":
-            raise ConfigError("DiffusionNFT samples with its EMA policy, which lives beside the trained weights: "
-                              "a separate rollout worker would sample with the trained weights instead.",
-                              hint="Use run.placement=colocated (or the inline executor).")
         self.sampler_policy: ShadowParameters | None = None
         self.updates = 0  # optimizer updates folded into the sampler policy
-        self._rollouts = 0  # rollouts in this process: each one after the first follows an update
         kinds = (o.ode_solver,) * config.rollout.num_steps
         self._plan = RolloutPlan(step_kinds=kinds, train_steps=())
 
@@ -134,19 +129,25 @@ class DiffusionNFT:
             self.sampler_policy = ShadowParameters(model.trainable_parameters())
         return self.sampler_policy
 
+    def after_update(self, model: Any) -> None:
+        """Called by the actor after each optimizer update: fold it into the EMA sampler policy."""
+        sampler = self._sampler(model)
+        self.updates += 1
+        sampler.update(self.decay(self.updates))
+
     @contextmanager
     def rollout_policy(self, model: Any) -> Iterator[None]:
-        """Called around each rollout: fold the last update into the EMA, then sample with it."""
+        """Around each rollout in the actor's process (colocated): sample with the EMA weights."""
         if model is None:
-            raise UsageError("DiffusionNFT rolls out with its EMA sampler policy and needs the model in the "
-                             "rollout worker's process (a colocated actor and rollout).",
-                             hint="Use --executor inline, or colocate the actor and rollout workers.")
-        sampler = self._sampler(model)
-        if self._rollouts > 0:
-            self.updates += 1
-            sampler.update(self.decay(self.updates))
-        self._rollouts += 1
-        with sampler.swapped():
+            raise UsageError("DiffusionNFT rolls out with its EMA sampler policy and needs a model.")
+        with self._sampler(model).swapped():
+            yield
+
+    @contextmanager
+    def sync_policy(self, model: Any) -> Iterator[None]:
+        """Around the export of the weights a separate rollout worker receives: the EMA weights, since the
+        rollout samples with the sampler policy (split placement)."""
+        with self._sampler(model).swapped():
             yield
 
     def plan(self, step: int) -> RolloutPlan:
@@ -221,15 +222,11 @@ class DiffusionNFT:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Saved after a step's update: the updates folded into the EMA so far (the schedule's clock) and
-        whether the last update still waits to be folded in (at the next rollout)."""
-        return {"updates": self.updates, "pending": self._rollouts > 0}
+        """Saved after a step's update: the updates folded into the EMA so far (the schedule's clock)."""
+        return {"updates": self.updates}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.updates = int(state.get("updates", 0))
-        if "pending" not in state:  # an older checkpoint counted the pending update in and had no EMA weights
-            return
-        self._rollouts = 1 if state["pending"] else 0
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The EMA sampler policy's weights (the trained ones are in the checkpoint already)."""

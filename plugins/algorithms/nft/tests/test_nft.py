@@ -17,7 +17,7 @@ from omnirl_plugin_nft.algorithm import DiffusionNFT, NFTConfig, nft_loss, optim
 
 from omnirl_core.config import RunConfig
 from omnirl_core.ema import ShadowParameters
-from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.errors import UsageError
 
 
 def _config() -> RunConfig:
@@ -109,33 +109,53 @@ def test_ema_schedule_and_the_rollout_policy_hook():
                                                             0.5]
     net = torch.nn.Linear(2, 2)
     model = SimpleNamespace(trainable_parameters=lambda: list(net.parameters()))
-    seen = []
+    seen, synced = [], []
     for step in range(5):
         with algo.rollout_policy(model):
             seen.append(net.weight.detach().clone())  # what the rollout samples with
         with torch.no_grad():
             net.weight.add_(1.0)  # the update of this step
+        algo.after_update(model)  # the actor folds it into the EMA
+        with algo.sync_policy(model):  # what a separate rollout worker would receive now
+            synced.append(net.weight.detach().clone())
     # updates 1 and 2 lie inside the delay (the sampler copies the policy), then lam = 0.1, 0.2
     w0 = seen[0]
     expected = [w0, w0 + 1, w0 + 2, 0.1 * (w0 + 2) + 0.9 * (w0 + 3)]
     expected.append(0.2 * expected[3] + 0.8 * (w0 + 4))
     for got, want in zip(seen, expected):
         torch.testing.assert_close(got, want)
-    # saved after the fifth update: four folded into the EMA, the fifth waits for the next rollout
-    assert algo.state() == {"updates": 4, "pending": True}
+    # a split rollout worker gets, after update k, what a colocated rollout k + 1 samples with
+    for got, want in zip(synced[:4], seen[1:]):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(net.weight, w0 + 5)  # the trained weights are back after each swap
+    assert algo.state() == {"updates": 5}
     resumed = DiffusionNFT(NFTConfig(ema_max=0.5, ema_rate=0.1, ema_delay=2), _config())
     resumed.load_state(algo.state())
     resumed.load_state_tensors(algo.state_tensors(), model)
-    with resumed.rollout_policy(model):  # folds update 5 with lam(5) = 0.3, like the uninterrupted run
+    with resumed.rollout_policy(model):  # the EMA with update 5 folded in (lam 0.3), as uninterrupted
         torch.testing.assert_close(net.weight, 0.3 * expected[4] + 0.7 * (w0 + 5))
-    with pytest.raises(UsageError, match="colocated"), algo.rollout_policy(None):
+    with pytest.raises(UsageError, match="needs a model"), algo.rollout_policy(None):
         pass
 
 
-def test_a_separate_rollout_worker_is_refused():
-    split = RunConfig.model_validate({"run": {"executor": "ray", "placement": "split"}})
-    with pytest.raises(ConfigError, match="separate rollout worker"):
-        DiffusionNFT(None, split)
+@pytest.mark.slow
+def test_split_placement_samples_with_the_synced_ema_like_colocated(tmp_path: Path, monkeypatch):
+    """Ray with a separate rollout worker: the actor syncs the EMA sampler weights (not the trained ones),
+    so the run equals the inline one, where the rollout swaps the EMA in itself."""
+    from omnirl_core.testing import run_train
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as in a Ray actor under 1 CPU: the same float reductions
+
+    args = ["--model", "qwen-image", "--algo", "nft", "--preset", "tiny", "--steps", "3",
+            "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+            "--set", "algorithm.options.ema_rate=0.3", "--set", "run.worker_cpus=0.5"]
+    inline = run_train(tmp_path / "inline", *args)
+    split = run_train(tmp_path / "split", *args, "--executor", "ray", "--set", "run.placement=split",
+                      "--set", "run.reward_workers=1")
+    assert inline[2]["nft/sampler_lag_rms"] > 0  # the EMA lags the policy: syncing the policy would differ
+    for a, b in zip(inline, split):
+        for key in ("reward/mean", "nft/sampler_lag_rms", "nft/policy_loss", "nft/ema_decay"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
 
 
 def test_rollout_is_deterministic_ode_without_training_steps():
@@ -160,6 +180,5 @@ def test_cli_run_samples_with_the_ema_policy(tmp_path: Path):
     assert records[2]["nft/sampler_lag_rms"] > 0.0
     assert 0.0 < records[0]["nft/optimality_mean"] < 1.0
     ckpt = run / "checkpoints" / "step-000003"
-    # 2 updates folded into the EMA (before rollouts 2 and 3), the third waits for the next rollout
-    assert json.loads((ckpt / "algorithm.json").read_text()) == {"updates": 2, "pending": True}
+    assert json.loads((ckpt / "algorithm.json").read_text()) == {"updates": 3}  # folded after each update
     assert (ckpt / "algorithm.safetensors").is_file()  # the EMA sampler policy's weights
