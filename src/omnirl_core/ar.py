@@ -25,6 +25,7 @@ import torch
 
 from omnirl_core.config import LoraConfig
 from omnirl_core.interfaces import GenRequest
+from omnirl_core.weight_sync import cpu_copy
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -280,7 +281,7 @@ class CausalLMPolicy:
             state = get_peft_model_state_dict(self.module, adapter_name="default")
         else:
             state = self.module.state_dict()
-        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        return {k: cpu_copy(v) for k, v in state.items()}
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.lora is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from omnirl_core.config import LoraConfig
+from omnirl_core.weight_sync import cpu_copy
 
 
 class DenoiserModel:
@@ -90,8 +91,8 @@ class DenoiserModel:
         if self.lora is not None:
             from peft.utils import get_peft_model_state_dict
 
-            return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.denoiser).items()}
-        return {k: v.detach().cpu().contiguous() for k, v in self.denoiser.state_dict().items()}
+            return {k: cpu_copy(v) for k, v in get_peft_model_state_dict(self.denoiser).items()}
+        return {k: cpu_copy(v) for k, v in self.denoiser.state_dict().items()}
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if self.lora is not None:

@@ -18,6 +18,15 @@ def sync_mode(colocated: bool, lora: bool) -> str:
     return "lora" if lora else "full"
 
 
+def cpu_copy(tensor: Any) -> Any:
+    """A detached, contiguous CPU tensor that shares no storage with ``tensor``: an exported state must not
+    change when the live parameters do (a swap restored after the export, the next update). Copies once."""
+    out = tensor.detach().cpu()
+    if out.data_ptr() == tensor.data_ptr():  # already on the CPU: .cpu() returned the same storage
+        out = out.clone()
+    return out.contiguous()
+
+
 def export_trained_state(model: Any, trainer: Any = None) -> dict[str, Any]:
     """The trained weights as plain CPU tensors: LoRA only (peft names) when training LoRA, else full."""
     if trainer is not None and hasattr(trainer, "full_trained_state"):

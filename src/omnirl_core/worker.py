@@ -160,12 +160,8 @@ class Worker:
         algorithm that samples with other weights than the trained ones (DiffusionNFT's EMA) swaps them in
         for the export through its optional ``sync_policy(model)`` hook."""
         hook = getattr(self.algorithm, "sync_policy", None)
-        if hook is None:
-            state = export_trained_state(self.model, self.trainer)
-        else:
-            with hook(self.model):
-                # copies: exported CPU tensors may share storage with the parameters the hook restores
-                state = {k: v.clone() for k, v in export_trained_state(self.model, self.trainer).items()}
+        with hook(self.model) if hook is not None else nullcontext():
+            state = export_trained_state(self.model, self.trainer)  # copies: the hook's swap is undone after
         return state if self.rank == 0 else None
 
     def load_trained_state(self, state: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from omnirl_core.errors import UsageError
 from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
+from omnirl_core.weight_sync import cpu_copy
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 HIGH, LOW = "transformer", "transformer_2"
@@ -292,7 +293,7 @@ class Wan22Model(DenoiserModel):
         for name in self.trained:
             expert = self.experts[name]
             state = get_peft_model_state_dict(expert) if self.lora is not None else expert.state_dict()
-            out.update({f"{name}.{k}": v.detach().cpu().contiguous() for k, v in state.items()})
+            out.update({f"{name}.{k}": cpu_copy(v) for k, v in state.items()})
         return out
 
     def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
