@@ -51,10 +51,16 @@ def test_capability_mismatch_names_what_is_missing_and_who_has_it():
     _no_traceback(proc)
 
 
-def test_ambiguous_reward_name_asks_for_the_qualified_one():
+def test_a_third_party_duplicate_name_never_breaks_the_first_party_one():
+    # toy_plugin registers a reward called 'jpeg' too: the unqualified name keeps meaning omnirl's own
     proc = run_cli(*BASE, "--reward", "jpeg", "--dry-run", env={"PYTHONPATH": FIXTURES,
                                                                  "OMNIRL_PLUGINS": "toy_plugin"})
-    assert proc.returncode == 3 and "ambiguous" in proc.stderr and "jpeg:jpeg" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "also provided by toy_plugin:jpeg; using omnirl's own (jpeg:jpeg)" in proc.stderr
+    assert "- jpeg x1.0" in proc.stdout
+    theirs = run_cli(*BASE, "--reward", "toy_plugin:jpeg", "--dry-run", env={"PYTHONPATH": FIXTURES,
+                                                                              "OMNIRL_PLUGINS": "toy_plugin"})
+    assert theirs.returncode == 0, theirs.stderr
     ok = run_cli(*BASE, "--reward", "jpeg:jpeg:2.0", "--dry-run", env={"PYTHONPATH": FIXTURES,
                                                                         "OMNIRL_PLUGINS": "toy_plugin"})
     assert ok.returncode == 0, ok.stderr
@@ -122,3 +128,11 @@ def test_usage_errors_exit_2_without_a_traceback():
     assert bare.returncode == 2 and "Usage" in bare.stdout + bare.stderr and "NoArgsIsHelpError" not in bare.stderr
     fmt = run_cli("models", "--format", "xml")
     assert fmt.returncode == 2 and "Unknown --format 'xml'" in fmt.stderr
+
+
+def test_a_plugin_that_exits_on_import_is_reported_broken_not_fatal():
+    proc = run_cli("plugins", "list", env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "exiting_plugin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "exiting_plugin" in proc.stdout and "broken" in proc.stdout and "SystemExit" in proc.stdout
+    ok = run_cli(*BASE, "--dry-run", env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "exiting_plugin"})
+    assert ok.returncode == 0, ok.stderr

@@ -12,7 +12,8 @@ def test_set_parses_yaml_scalars_and_nested_paths():
                      "model.lora.target_modules=[to_q,to_k]"])
     assert out["train"]["lr"] == 3e-4 and out["run"]["steps"] == 7
     assert out["model"]["lora"]["enabled"] is False
-    assert out["rewards"] == [{"name": "jpeg"}]
+    assert out["rewards"] == {0: {"name": "jpeg"}}  # a list patch: deep_merge applies it to the list beneath
+    assert deep_merge({}, out)["rewards"] == [{"name": "jpeg"}]
     assert out["model"]["lora"]["target_modules"] == ["to_q", "to_k"]
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_set(["train.lr"])
@@ -34,6 +35,29 @@ def test_layers_merge_dicts_and_replace_lists():
     merged = deep_merge(base, {"rollout": {"height": 32}, "rewards": [{"name": "color"}]})
     assert merged == {"rollout": {"height": 32, "width": 512}, "rewards": [{"name": "color"}]}
     assert base["rollout"]["height"] == 512
+
+
+def test_set_patches_one_item_of_a_list_and_keeps_the_rest():
+    # the CONTRIBUTING example: an option of the first reward, the reward list coming from a lower layer
+    base = {"rewards": [{"name": "jpeg", "weight": 2.0}, {"name": "color"}]}
+    merged = deep_merge(base, parse_set(["rewards.0.options.scale=2", "rewards.1.weight=0.5"]))
+    assert merged["rewards"] == [{"name": "jpeg", "weight": 2.0, "options": {"scale": 2}},
+                                 {"name": "color", "weight": 0.5}]
+    assert deep_merge(base, parse_set(["rewards.2.name=ocr"]))["rewards"][2] == {"name": "ocr"}  # append
+    with pytest.raises(ConfigError, match=r"rewards.5: index out of range \(rewards has 2 item"):
+        deep_merge(base, parse_set(["rewards.5.name=ocr"]))
+    with pytest.raises(ConfigError, match="leave gaps"):
+        deep_merge({}, parse_set(["rewards.1.name=ocr"]))
+
+
+def test_validation_errors_never_echo_a_secret_value():
+    class Opts(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        api_key_env: str = "OMNIRL_JUDGE_API_KEY"
+
+    with pytest.raises(ConfigError) as err:
+        validate_options({"api_key_env": ["sk-live-123456"]}, Opts, "rewards.0.options")
+    assert "sk-live-123456" not in err.value.render() and "<redacted>" in err.value.render()
 
 
 class _Opts(BaseModel):

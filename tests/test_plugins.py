@@ -193,3 +193,27 @@ def test_device_auto_picks_the_best_available(manager: PluginManager):
         resolve_device(manager, "cuda")
     manager.register(_device_plugin("cuda2", 2, 10), "cuda2")
     assert resolve_device(manager, "auto").name == "cuda2"
+
+
+def test_ambiguity_between_third_party_plugins_still_asks_for_the_qualified_name():
+    from omnirl_core.errors import PluginError
+    from omnirl_core.registry import Registry, RewardSpec
+
+    registry = Registry("reward")
+    for plugin, first in (("acme", False), ("other", False), ("ours", True)):
+        spec = RewardSpec(name="score" if plugin != "ours" else "mine", factory=object, plugin=plugin)
+        spec.first_party = first
+        registry.add(spec)
+    with pytest.raises(PluginError, match="ambiguous.*acme:score, other:score"):
+        registry.resolve("score")
+    assert registry.resolve("acme:score").plugin == "acme"
+
+
+def test_every_plugin_of_this_repository_is_first_party():
+    import tomllib
+
+    from omnirl_core.plugins import FIRST_PARTY
+
+    root = Path(__file__).resolve().parents[1]
+    names = {tomllib.loads(p.read_text())["project"]["name"] for p in root.glob("plugins/*/*/pyproject.toml")}
+    assert names and names <= FIRST_PARTY, sorted(names - FIRST_PARTY)

@@ -18,7 +18,7 @@ import typer
 import yaml
 
 from omnirl_core import __version__
-from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, ConfigError, OmnirlError, UsageError
+from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, OmnirlError, RunInterrupted, UsageError
 
 app = typer.Typer(
     name="omnirl",
@@ -190,21 +190,36 @@ def devices_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool 
 
 # -- config and train -----------------------------------------------------------------------------
 
-def parse_reward(text: str) -> dict[str, Any]:
-    """NAME or NAME:WEIGHT (NAME may itself be plugin:name)."""
-    head, sep, tail = text.rpartition(":")
-    if sep:
-        try:
-            return {"name": head, "weight": float(tail)}
-        except ValueError:
-            pass
-    if not text:
+def parse_reward(text: str, plugins: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    """NAME, NAME:WEIGHT, PLUGIN:NAME or PLUGIN:NAME:WEIGHT (``plugins``: installed plugin names)."""
+    import math
+
+    if not text.strip():
         raise UsageError("Empty --reward.", hint="Use --reward NAME or --reward NAME:WEIGHT.")
-    return {"name": text}
+    head, sep, tail = text.rpartition(":")
+    if not sep or (head in plugins and ":" not in head and not _is_number(tail)):
+        return {"name": text}  # NAME or PLUGIN:NAME
+    if not _is_number(tail):
+        raise UsageError(f"--reward {text}: the weight '{tail}' is not a number.",
+                         hint="Use --reward NAME:WEIGHT with a number (e.g. jpeg:0.5), or PLUGIN:NAME for a "
+                         "reward of one plugin.")
+    weight = float(tail)
+    if not math.isfinite(weight):
+        raise UsageError(f"--reward {text}: the weight must be a finite number, not {tail}.",
+                         hint="Use --reward NAME:WEIGHT with a finite weight (e.g. color:1.0).")
+    return {"name": head, "weight": weight}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed,
-                 executor=None, ray_address=None) -> list[dict]:
+                 executor=None, ray_address=None, plugins=frozenset()) -> list[dict]:
     from omnirl_core.config import load_recipe, parse_set
 
     layers = []
@@ -218,7 +233,7 @@ def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, st
     if algo:
         flags.setdefault("algorithm", {})["name"] = algo
     if rewards:
-        flags["rewards"] = [parse_reward(r) for r in rewards]
+        flags["rewards"] = [parse_reward(r, plugins) for r in rewards]
     run: dict[str, Any] = {}
     if output_dir:
         run["output_dir"] = output_dir
@@ -302,24 +317,14 @@ def train(
 
     manager = _manager()
     layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
-                          executor, ray_address)
+                          executor, ray_address, plugins=set(manager.plugins))
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     cfg = resolved.config
     run_path = _run_dir(resolved, bool(output_dir))
     dump = resolved.dump()
     dump["run"]["output_dir"] = str(run_path)
     run_dir = RunDir(run_path)
-    if run_dir.is_foreign():
-        raise ConfigError(f"Output directory '{run_path}' is not empty and holds no omnirl run.",
-                          hint="Pick another --output-dir.")
-    one_sided: list[str] = []
-    diffs = run_dir.differences(dump, one_sided)
-    if diffs:
-        raise ConfigError(
-            f"Output directory '{run_path}' holds a different run.",
-            details=["Differences:", *(f"  {d}" for d in diffs[:10])],
-            hint="Use another --output-dir, or rerun with the same settings to resume that run.",
-        )
+    one_sided = run_dir.check(dump)
     if one_sided:
         _err(f"note: the run in '{run_path}' was saved by a version with other options; resuming with:\n"
              + "\n".join(f"  {d}" for d in one_sided[:10]))
@@ -340,10 +345,7 @@ def train(
         }
         typer.echo(yaml.safe_dump(plan, sort_keys=False))
         return
-    from omnirl_core.checkpoint import latest_checkpoint
-
-    resuming = latest_checkpoint(run_path) is not None  # a directory whose first attempt failed starts over
-    run_dir.prepare(dump, resolved.lock(manager))
+    resuming = run_dir.claim(dump, resolved.lock(manager))
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
     _train(resolved, run_path)
 
@@ -371,9 +373,15 @@ def _train(resolved, run_path: Path) -> None:
         progress.update(task, completed=record["step"], info=info)
 
     controller = Controller(resolved, run_path, on_step=on_step)
-    with progress:
-        progress.update(task, completed=controller.start_step - 1)
-        summary = controller.run()
+    try:
+        with progress:
+            progress.update(task, completed=controller.start_step - 1)
+            summary = controller.run()
+    except KeyboardInterrupt as exc:  # typer would turn it into a bare exit code
+        raise RunInterrupted(
+            f"interrupted: {run_path} holds every finished step that was saved "
+            f"({_saved_steps(run_path)}).", exit_code=getattr(exc, "exit_code", 130),
+            hint="Rerun the same command to resume.") from None
     records = controller.run_dir.read_metrics()
     if records:
         last = records[-1]
@@ -381,18 +389,29 @@ def _train(resolved, run_path: Path) -> None:
              f"run directory {run_path}")
 
 
+def _saved_steps(run_path: Path) -> str:
+    from omnirl_core.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_path)
+    return f"latest checkpoint {latest.name}" if latest else "no checkpoint yet: a rerun starts over"
+
+
 def run() -> None:
     """Console-script entry: maps errors to exit codes; tracebacks only with --debug."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
+        if code == 130:  # typer's answer to a KeyboardInterrupt outside a run
+            _err("omnirl: interrupted")
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except OmnirlError as err:
         if STATE["debug"]:
             raise
         _err(f"Error: {err.render()}")
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _err("omnirl: interrupted")
-        sys.exit(130)
+        sys.exit(getattr(exc, "exit_code", 130))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:

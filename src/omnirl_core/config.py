@@ -50,7 +50,8 @@ class RolloutSection(Section):
     engine: str = Field("diffusers", description="Rollout engine component.")
     prompts_per_step: int = Field(4, ge=1, description="Distinct prompts per training step (B).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (G).")
-    num_steps: int = Field(10, ge=1, description="Denoising steps per sample.")
+    num_steps: int = Field(10, ge=2, description="Denoising steps per sample (at least 2: one SDE step and the "
+                           "last one, which is deterministic).")
     height: int = Field(512, ge=8, description="Image height in pixels.")
     width: int = Field(512, ge=8, description="Image width in pixels.")
     num_frames: int | None = Field(None, ge=1, description="Frames for video models; None for images.")
@@ -65,6 +66,10 @@ class TrainSection(Section):
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN/inf loss or gradient, found before the optimizer step: 'stop' the run (the "
+        "weights untouched, the last checkpoint intact) or 'skip' that minibatch's step (counted).",
+    )
     minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (batch split).")
     micro_batch_size: int = Field(16, ge=1, description="Transitions per forward/backward call.")
     old_logprob: Literal["recompute", "bypass"] = Field(
@@ -90,7 +95,8 @@ class TrainSection(Section):
 
 class RewardEntry(Section):
     name: str = Field(..., description="Reward component name.")
-    weight: float = Field(1.0, description="Weight in the summed reward.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight in the summed reward (finite; 0 logs it "
+                          "without training on it).")
     required: bool = Field(True, description="A failing required reward fails the step; an optional one is logged.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the reward plugin.")
 
@@ -147,6 +153,14 @@ class RunSection(Section):
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
         "on I/O, such as a remote judge, rather than adding reward processes.",
     )
+    reward_timeout_s: float | None = Field(
+        600.0, gt=0, description="Deadline of one reward call (a batch, or one sample in async mode), in seconds: "
+        "past it the call fails (a required reward fails the step, an optional one is dropped); None: no deadline.",
+    )
+    reward_max_failed_steps: int = Field(
+        3, ge=1, description="An optional reward that fails on every sample for this many steps in a row stops "
+        "the run (rather than training without it unnoticed).",
+    )
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
     sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
     log_every: int = Field(1, ge=1, description="Progress update every N steps.")
@@ -167,14 +181,48 @@ _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 # -- layering -------------------------------------------------------------------------------------
 
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Merge ``override`` into a copy of ``base``; dicts merge, everything else replaces."""
+def _is_patch(value: Any) -> bool:
+    """A list patch: what ``--set rewards.0.options.scale=2`` makes (a dict keyed by list indices)."""
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, int) for k in value)
+
+
+def _listify(value: Any, path: str) -> Any:
+    """A list patch with nothing beneath it becomes a list (indices must then be 0..n-1)."""
+    if isinstance(value, dict):
+        if _is_patch(value):
+            if sorted(value) != list(range(len(value))):
+                raise ConfigError(f"{path}: list indices {sorted(value)} leave gaps (the list is empty below).",
+                                  hint=f"Set {path}.0 first, then {path}.1, ...")
+            return [_listify(value[i], f"{path}.{i}") for i in range(len(value))]
+        return {k: _listify(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Merge ``override`` into a copy of ``base``: dicts merge; a list patch (``--set rewards.0.weight=2``)
+    changes the items it names and keeps the rest; anything else replaces."""
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+        where = f"{path}.{key}" if path else str(key)
+        current = out.get(key)
+        if _is_patch(value) and isinstance(current, list):
+            items = list(current)
+            for index in sorted(value):
+                if index < len(items):
+                    item, patch = items[index], value[index]
+                    items[index] = (deep_merge(item, patch, f"{where}.{index}")
+                                    if isinstance(item, dict) and isinstance(patch, dict)
+                                    else _listify(patch, f"{where}.{index}"))
+                elif index == len(items):
+                    items.append(_listify(value[index], f"{where}.{index}"))
+                else:
+                    raise ConfigError(f"{where}.{index}: index out of range ({where} has {len(items)} item(s)).",
+                                      hint=f"Indices of {where} start at 0; append with {where}.{len(items)}.")
+            out[key] = items
+        elif isinstance(value, dict) and isinstance(current, dict) and not _is_patch(value):
+            out[key] = deep_merge(current, value, where)
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = _listify(value, where)
     return out
 
 
@@ -209,31 +257,25 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 
 def set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
+    """Set ``a.b.0.c`` in a tree of dicts; a numeric part is a list index (kept as an int key: a list patch
+    that ``deep_merge`` applies to the list beneath)."""
+    parts = [int(p) if p.isdigit() else p for p in dotted.split(".")]
     node: Any = tree
-    for i, part in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            idx = int(part)
-            while len(node) <= idx:
-                node.append({})
-            node = node[idx]
-            continue
-        nxt = parts[i + 1]
-        node = node.setdefault(part, [] if nxt.isdigit() else {})
-    last = parts[-1]
-    if isinstance(node, list):
-        idx = int(last)
-        while len(node) <= idx:
-            node.append({})
-        node[idx] = value
-    else:
-        node[last] = value
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = node[part] = {}
+        node = nxt
+    node[parts[-1]] = value
 
 
 def get_path(tree: dict[str, Any], dotted: str) -> Any:
     node: Any = tree
     for part in dotted.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list) or isinstance(node, dict) and part.isdigit() and int(part) in node:
+            node = node[int(part)]
+        else:
+            node = node[part]
     return node
 
 
@@ -257,6 +299,14 @@ def _fields_at(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(cls, "model_fields", {})) if cls is not None else []
 
 
+_SECRET_NAME = re.compile(r"key|token|secret|password|passwd|credential|auth", re.IGNORECASE)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def validation_problems(exc: ValidationError, model_cls: type[BaseModel], prefix: str = "") -> list[str]:
     problems = []
     for err in exc.errors():
@@ -266,7 +316,8 @@ def validation_problems(exc: ValidationError, model_cls: type[BaseModel], prefix
             hint = did_you_mean(str(loc[-1]), _fields_at(model_cls, loc[:-1]))
             problems.append(f"  {path}: unknown key.{hint}")
         else:
-            problems.append(f"  {path}: {err['msg']} (got {err.get('input')!r})")
+            shown = "<redacted>" if _SECRET_NAME.search(path) else _short(err.get("input"))
+            problems.append(f"  {path}: {err['msg']} (got {shown})")
     return problems
 
 

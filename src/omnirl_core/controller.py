@@ -7,7 +7,6 @@ resumed run continues exactly where it stopped.
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -19,8 +18,10 @@ from omnirl_core.data import PromptSampler, load_records
 from omnirl_core.errors import ConfigError
 from omnirl_core.executors import make_executor
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.interrupts import StopSignals
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
+from omnirl_core.rewards import RewardHealth
 from omnirl_core.tracking import RunDir
 
 log = logging.getLogger("omnirl")
@@ -54,6 +55,7 @@ class Controller:
         self.prompts = PromptSampler([r["prompt"] for r in self.records], self.cfg.run.seed)
         self.start_step = 1
         self.fallback = FallbackMonitor(self.cfg.train.rs_fallback, self.cfg.train.rs_fallback_steps)
+        self.reward_health = RewardHealth(self.cfg.run.reward_max_failed_steps)
 
     def _records(self) -> list[dict[str, Any]]:
         source = self.cfg.data.prompts
@@ -84,38 +86,51 @@ class Controller:
         return out
 
     def setup(self) -> None:
-        from omnirl_core.checkpoint import latest_checkpoint
+        from omnirl_core.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, metrics_copy
 
+        self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
+        clean_partial(self.run_dir.path)
         self.executor.setup(self.algorithm)
         ckpt = latest_checkpoint(self.run_dir.path)
-        if ckpt is not None:
-            state = self.executor.load(ckpt)
-            self.start_step = int(state["step"]) + 1
-            if hasattr(self.algorithm, "load_state") and "algorithm" in state:  # checkpoints of older versions
-                self.algorithm.load_state(state["algorithm"])
-            correction = state.get("correction", {})
-            self.fallback.load_state(correction)
-            if correction.get("old_logprob", self.cfg.train.old_logprob) != self.cfg.train.old_logprob:
-                self.set_old_logprob(correction["old_logprob"])
-            self.run_dir.truncate_metrics(int(state["step"]))
-            log.info("resumed from %s (step %d)", ckpt, state["step"])
+        if ckpt is None:
+            self.run_dir.restore_metrics(b"")  # rows of an attempt that died before its first checkpoint
+            return
+        state = load_checkpoint(ckpt, self.executor.load_state)
+        self.start_step = int(state["step"]) + 1
+        correction = state.get("correction", {})
+        self.fallback.load_state(correction)
+        if correction.get("old_logprob", self.cfg.train.old_logprob) != self.cfg.train.old_logprob:
+            self.set_old_logprob(correction["old_logprob"])
+        self.reward_health.load_state(state.get("rewards", {}))
+        self.run_dir.restore_metrics(metrics_copy(ckpt))
+        log.info("resumed from %s (step %d)", ckpt, state["step"])
 
     def checkpoint(self, step: int) -> Path:
+        from omnirl_core.checkpoint import save_checkpoint
+
         # the algorithm's own state is written by the actor worker, where it lives (algorithm.json)
-        extra = {"correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()}}
-        return self.executor.save(self.run_dir.path, step, extra)
+        extra = {"correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()},
+                 "rewards": self.reward_health.state()}
+        return save_checkpoint(self.run_dir.path, step, self.executor.save_state, extra,
+                               self.run_dir.metrics_bytes())
 
     def set_old_logprob(self, mode: str) -> None:
         """Switch the rollout-correction mode for the following steps (every worker's algorithm reads it)."""
         self.cfg.train.old_logprob = mode
         self.executor.set_old_logprob(mode)
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg
+    def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
+        """Rollout and rewards: in async mode each finished sample is scored while the rollout goes on."""
         t0 = time.perf_counter()
-        # rollout and rewards: in async mode each finished sample is scored while the rollout goes on
         samples, reward_metrics = self.executor.rollout(self.requests(step))
         samples.sort(key=lambda s: s.request.uid)  # the engine may finish them out of order
+        reward_metrics.update(self.reward_health.settle(samples, self.cfg.rewards, step))
+        reward_metrics["time/collect_s"] = time.perf_counter() - t0
+        return samples, reward_metrics
+
+    def learn(self, step: int, samples: list[Sample], reward_metrics: dict[str, Any]) -> dict[str, Any]:
+        """Advantages, update, weight sync: the part of a step that changes the weights."""
+        cfg = self.cfg
         t1 = time.perf_counter()
         adv_metrics = self.algorithm.assign_advantages(samples)
         units = self.algorithm.training_units(samples)
@@ -138,11 +153,12 @@ class Controller:
         record.update(adv_metrics)
         record.update(train_metrics)
         record.update(sync_metrics)
+        collect_s = record.pop("time/collect_s")
         record.update({
             "time/train_s": t2 - t1,
             "time/sync_s": t3 - t2,
-            "time/step_s": t3 - t0,
-            "images_per_s": len(samples) / max(reward_metrics.get("time/rollout_s", t1 - t0), 1e-9),
+            "time/step_s": collect_s + t3 - t1,
+            "images_per_s": len(samples) / max(reward_metrics.get("time/rollout_s", collect_s), 1e-9),
         })
         last = step == cfg.run.steps
         if step % cfg.run.sample_every == 0 or step == 1 or last:
@@ -150,29 +166,53 @@ class Controller:
                                    columns=cfg.rollout.group_size, rewards=[s.reward for s in samples])
         return record
 
+    def train_step(self, step: int) -> dict[str, Any]:
+        samples, reward_metrics = self.collect(step)
+        return self.learn(step, samples, reward_metrics)
+
     def run(self) -> dict[str, Any]:
+        """Steps from the last checkpoint to ``run.steps``. A step is in a checkpoint whole or not at all:
+        a signal before the update stops at once and saves the last finished step; a signal during the
+        update waits for the step to finish and be saved (see ``omnirl_core.interrupts``)."""
         cfg = self.cfg
-        self.setup()
+        signals = StopSignals()
+        try:
+            with signals.installed():
+                self.setup()
+                self._steps(signals)
+        finally:
+            try:
+                self.run_dir.plot_rewards()
+            finally:
+                self.executor.close()
+                self.run_dir.unlock()
+        return {"steps": cfg.run.steps, "run_dir": str(self.run_dir.path)}
+
+    def _steps(self, signals: StopSignals) -> None:
+        cfg = self.cfg
         last_saved = completed = self.start_step - 1
+        in_update = False
         try:
             for step in range(self.start_step, cfg.run.steps + 1):
-                record = self.train_step(step)
-                if not all(math.isfinite(v) for k, v in record.items() if k.startswith(("loss", "reward/mean"))):
-                    raise FloatingPointError(f"non-finite loss or reward at step {step}: {record}")
-                self.run_dir.append_metrics(record)
-                completed = step
-                if step % cfg.run.save_every == 0 or step == cfg.run.steps:
-                    self.checkpoint(step)
-                    last_saved = step
+                samples, reward_metrics = self.collect(step)
+                with signals.deferred():
+                    in_update = True
+                    record = self.learn(step, samples, reward_metrics)
+                    self.run_dir.append_metrics(record)
+                    completed, in_update = step, False
+                    if step % cfg.run.save_every == 0 or step == cfg.run.steps or signals.pending:
+                        self.checkpoint(step)
+                        last_saved = step
                 if self.on_step:
                     self.on_step(record)
+                signals.raise_pending()
         except KeyboardInterrupt:
-            if completed > last_saved:
+            if in_update:  # a second signal in the update: its weights are half-way, nothing of it is saved
+                log.warning("stopped during the update of step %d: that step is dropped; the run resumes from "
+                            "step %d", completed + 1, last_saved)
+            elif completed > last_saved:
                 self.checkpoint(completed)
-                log.warning("interrupted: saved a checkpoint at step %d; rerun the same command to resume",
-                            completed)
+                last_saved = completed
+            log.warning("interrupted: the last checkpoint holds step %d; rerun the same command to resume",
+                        last_saved)
             raise
-        finally:
-            self.run_dir.plot_rewards()
-            self.executor.close()
-        return {"steps": cfg.run.steps, "run_dir": str(self.run_dir.path)}

@@ -30,30 +30,46 @@ def _media_paths(record: dict[str, Any], base: Path) -> dict[str, Any]:
     return {k: fix(v) if k in MEDIA_KEYS else v for k, v in record.items()}
 
 
+def _check_prompt(record: dict[str, Any], where: str) -> None:
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        got = "no 'prompt' key" if "prompt" not in record else f"'prompt' is {prompt!r}"
+        raise ConfigError(f"{where}: a record needs a non-empty text 'prompt' ({got}).",
+                          hint="Give every record a prompt string, or remove the record.")
+
+
 def load_records(source: str | list[Any]) -> list[dict[str, Any]]:
     """Every prompt as a record ``{"prompt": str, ...other fields}``."""
     if isinstance(source, list):
-        records = [dict(p) if isinstance(p, dict) else {"prompt": str(p)} for p in source]
+        records = [dict(p) if isinstance(p, dict) else {"prompt": p} for p in source]
         for n, record in enumerate(records):
-            if "prompt" not in record:
-                raise ConfigError(f"data.prompts[{n}]: a dict entry needs a 'prompt' key.")
+            _check_prompt(record, f"data.prompts[{n}]")
     else:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"Prompt file '{source}' not found (data.prompts).",
                               hint="Pass a .txt (one prompt per line) or .jsonl file.")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            line = path.read_bytes()[:exc.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {exc.start}: {exc.reason}).",
+                              hint="Save the prompt file as UTF-8 (e.g. iconv -t UTF-8).") from None
+        numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if path.suffix == ".jsonl":
             records = []
-            for n, line in enumerate(lines, 1):
+            for n, line in numbered:
                 try:
                     record = json.loads(line)
-                    record["prompt"] = str(record["prompt"])
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ConfigError(f"{path}:{n}: expected a JSON object with a 'prompt' key.") from exc
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg}).") from None
+                if not isinstance(record, dict):
+                    raise ConfigError(f"{path}:{n}: expected a JSON object with a 'prompt' key, got "
+                                      f"{type(record).__name__}.")
+                _check_prompt(record, f"{path}:{n}")
                 records.append(_media_paths(record, path.parent))
         else:
-            records = [{"prompt": line.strip()} for line in lines]
+            records = [{"prompt": line.strip()} for _, line in numbered]
     if not records:
         raise ConfigError("No prompts (data.prompts is empty).", hint="Give at least one prompt.")
     return records

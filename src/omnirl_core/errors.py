@@ -49,3 +49,11 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" Did you mean '{close[0]}'?" if close else ""
+
+
+class RunInterrupted(OmnirlError):
+    """A run stopped by SIGINT / SIGTERM after saving what it could; exit code 130 / 143 as a shell reports."""
+
+    def __init__(self, message: str, exit_code: int = 130, **kwargs):
+        super().__init__(message, **kwargs)
+        self.exit_code = exit_code

@@ -10,7 +10,7 @@ The interface the controller uses:
   update(algorithm, units, step) -> metrics one training step on the actor group
   sync_weights() -> metrics                 actor -> rollout weights (nothing when colocated)
   set_old_logprob(mode)                     rollout-correction mode of the actor workers' algorithms
-  save(run_dir, step, extra) / load(path)   checkpoints
+  save_state(dir) / load_state(dir)         the workers' files of a checkpoint
   close()
 """
 
@@ -31,23 +31,7 @@ def build_rewards(resolved: ResolvedRun) -> RewardSet:
     for i, (entry, spec) in enumerate(zip(resolved.config.rewards, resolved.rewards)):
         fn = spec.load_factory()(resolved.options.get(f"rewards.{i}.options"))
         fns.append(RewardFn(entry.name, fn, entry.weight, entry.required))
-    return RewardSet(fns)
-
-
-class WorkerCheckpoint:
-    """Lets ``checkpoint.save_checkpoint`` / ``load_checkpoint`` write through workers: the workers write
-    the weights and optimizer (every rank its shard, for a sharded engine); the caller keeps the atomic
-    directory handling and ``trainer_state.json``."""
-
-    def __init__(self, save: Any, load: Any):
-        self._save = save
-        self._load = load
-
-    def save_trained(self, directory: Path) -> list[str]:
-        return self._save(directory)
-
-    def load_trained(self, directory: Path) -> None:
-        self._load(directory)
+    return RewardSet(fns, resolved.config.run.reward_timeout_s)
 
 
 class InlineExecutor:
@@ -105,18 +89,18 @@ class InlineExecutor:
         if threads is not None:
             torch.set_num_threads(threads)
         try:
-            samples, failed, timing = self.stream.run(self.worker.generate(requests))
+            samples, timing = self.stream.run(self.worker.generate(requests))
         finally:
             torch.set_num_threads(before)
-        return samples, {**failed, **timing.metrics(), "rollout/threads": float(threads or before)}
+        return samples, {**timing.metrics(), "rollout/threads": float(threads or before)}
 
     def generate(self, requests: list[GenRequest]) -> list[Sample]:
         assert self.worker is not None
         return list(self.worker.generate(requests))
 
-    def score(self, samples: list[Sample]) -> dict[str, float]:
+    def score(self, samples: list[Sample]) -> None:
         assert self.rewards is not None
-        return self.rewards.score(samples)
+        self.rewards.score(samples)
 
     def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
         assert self.worker is not None
@@ -132,19 +116,14 @@ class InlineExecutor:
         assert self.worker is not None
         self.worker.set_old_logprob(mode)
 
-    def _checkpoint(self) -> WorkerCheckpoint:
+    def save_state(self, directory: Path) -> list[str]:
+        """The workers' part of a checkpoint (``omnirl_core.checkpoint`` writes the rest)."""
         assert self.worker is not None
-        return WorkerCheckpoint(self.worker.save_state, self.worker.load_state)
+        return self.worker.save_state(directory)
 
-    def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
-        from omnirl_core.checkpoint import save_checkpoint
-
-        return save_checkpoint(run_dir, step, self._checkpoint(), None, extra)
-
-    def load(self, path: Path) -> dict[str, Any]:
-        from omnirl_core.checkpoint import load_checkpoint
-
-        return load_checkpoint(path, self._checkpoint(), None)
+    def load_state(self, directory: Path) -> None:
+        assert self.worker is not None
+        self.worker.load_state(directory)
 
     def close(self) -> None:
         if self.stream is not None:

@@ -61,6 +61,20 @@ class PluginInfo:
         }
 
 
+FIRST_PARTY = frozenset({
+    "omnirl", "omnirl-plugin-cpu", "omnirl-plugin-cuda", "omnirl-plugin-ascend",
+    "omnirl-plugin-diffusers", "omnirl-plugin-torch", "omnirl-plugin-fsdp2", "omnirl-plugin-transformers",
+    "omnirl-plugin-qwen-image", "omnirl-plugin-wan22", "omnirl-plugin-sd35", "omnirl-plugin-qwen3-omni",
+    "omnirl-plugin-flowgrpo", "omnirl-plugin-mixgrpo", "omnirl-plugin-dancegrpo", "omnirl-plugin-grpo-guard",
+    "omnirl-plugin-dpo", "omnirl-plugin-nft", "omnirl-plugin-gspo",
+    "omnirl-plugin-color", "omnirl-plugin-jpeg", "omnirl-plugin-ocr", "omnirl-plugin-vlm-judge",
+    "omnirl-plugin-answer-match", "omnirl-plugin-clipscore", "omnirl-plugin-pickscore", "omnirl-plugin-aesthetic",
+    "omnirl-plugin-hpsv2", "omnirl-plugin-imagereward",
+})
+"""Distributions of this repository: an unqualified name that a third-party plugin registers too resolves to
+theirs (with a warning), so installing a plugin never breaks a command that worked."""
+
+
 class PluginManager:
     """Loads plugins and fills one registry per component kind."""
 
@@ -90,7 +104,7 @@ class PluginManager:
                 continue
             try:
                 module = ep.load()
-            except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the CLI down
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken plugin (even one that calls sys.exit) must not take the CLI down
                 self._mark_broken(info, exc)
                 continue
             self._register(module, info)
@@ -100,7 +114,7 @@ class PluginManager:
             info = PluginInfo(name=module_name.rsplit(".", 1)[-1], module=module_name)
             try:
                 module = importlib.import_module(module_name)
-            except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as a broken plugin
                 self._mark_broken(info, exc)
                 continue
             self._register(module, info)
@@ -115,7 +129,7 @@ class PluginManager:
         try:
             self.pm.register(plugin, name=info.name)
             self.pm.check_pending()  # a misspelt hook name is an error, not silence
-        except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as a broken plugin
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             self._mark_broken(info, exc)
@@ -131,9 +145,10 @@ class PluginManager:
                     for spec in specs:
                         spec.plugin = info.name
                         spec.version = spec.version or info.version
+                        spec.first_party = info.distribution in FIRST_PARTY
                         self.registries[kind].add(spec)
                         info.components.append(f"{kind}:{spec.name}")
-                except Exception as exc:  # noqa: BLE001 - reported as a broken plugin
+                except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as a broken plugin
                     self._mark_broken(info, exc)
                     return
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from omnirl_core.errors import UsageError
-from omnirl_core.executors import WorkerCheckpoint, build_rewards
+from omnirl_core.executors import build_rewards
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.worker import Worker, reference_placement
@@ -107,10 +107,10 @@ class RewardActor:
     def __init__(self, resolved: ResolvedRun):
         self.rewards = build_rewards(resolved)
 
-    def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], dict[str, float], float]:
+    def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
         start = time.perf_counter()
-        failed = self.rewards.score(list(samples))
-        return [(s.rewards, s.reward) for s in samples], failed, time.perf_counter() - start
+        self.rewards.score(list(samples))
+        return [(s.rewards, s.reward) for s in samples], time.perf_counter() - start
 
 
 def _actor_resources(resource: str, cpus: float) -> dict[str, Any]:
@@ -296,11 +296,8 @@ class RayExecutor:
         scores = [item for result in results for item in result[0]]
         for sample, (rewards, total) in zip(samples, scores):
             sample.rewards, sample.reward = rewards, total
-        failed: dict[str, float] = {}
-        for _, flags, _ in results:
-            failed.update(flags)
-        return samples, {**failed, "time/rollout_s": rollout_end - start, "time/reward_s": end - rollout_end,
-                         "time/reward_busy_s": sum(busy for _, _, busy in results)}
+        return samples, {"time/rollout_s": rollout_end - start, "time/reward_s": end - rollout_end,
+                         "time/reward_busy_s": sum(busy for _, busy in results)}
 
     def _reward_actor(self) -> Any:
         actor = self.reward_actors[self._next_reward % len(self.reward_actors)]
@@ -334,28 +331,19 @@ class RayExecutor:
         return {"sync/bytes": float(moved)}
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save_state(self, directory: Path) -> list[str]:
+    def save_state(self, directory: Path) -> list[str]:
+        """The workers' part of a checkpoint: every train rank writes its files (shards, for a sharded engine)."""
         import ray
 
         files = ray.get([w.save_state.remote(str(directory)) for w in self.train])
         return sorted({f for part in files for f in part})
 
-    def _load_state(self, directory: Path) -> None:
+    def load_state(self, directory: Path) -> None:
         import ray
 
         ray.get([w.load_state.remote(str(directory)) for w in self.train])
         if not self.colocated:
             self.sync_weights()
-
-    def save(self, run_dir: Path, step: int, extra: dict[str, Any]) -> Path:
-        from omnirl_core.checkpoint import save_checkpoint
-
-        return save_checkpoint(run_dir, step, WorkerCheckpoint(self._save_state, self._load_state), None, extra)
-
-    def load(self, path: Path) -> dict[str, Any]:
-        from omnirl_core.checkpoint import load_checkpoint
-
-        return load_checkpoint(path, WorkerCheckpoint(self._save_state, self._load_state), None)
 
     def close(self) -> None:
         import ray

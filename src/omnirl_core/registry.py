@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from omnirl_core.errors import PluginError, did_you_mean
+
+log = logging.getLogger("omnirl")
 
 
 def load_object(ref: Any) -> Any:
@@ -33,6 +36,7 @@ class ComponentSpec:
     config: Any = None
     plugin: str = ""  # filled in by the registry: the plugin that registered it
     version: str = ""
+    first_party: bool = False  # filled in by the registry: shipped with omnirl (wins an unqualified name)
 
     @property
     def qualified_name(self) -> str:
@@ -84,6 +88,8 @@ class AlgorithmSpec(ComponentSpec):
     needs_reference: bool = False
     needs_pairs: bool = False
     needs_ema: bool = False
+    min_group_size: int = 2
+    """Samples per prompt the algorithm needs (group-relative advantages, best-vs-worst pairs: 2)."""
     recipe_defaults: dict[str, Any] = field(default_factory=dict)
     preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Suggested values when the model runs a given preset, e.g. ``tiny``: random-weight development models
@@ -213,6 +219,12 @@ class Registry:
                 ),
             )
         options = ", ".join(s.qualified_name for s in candidates)
+        ours = [s for s in candidates if s.first_party]
+        if not sep and len(ours) == 1:
+            others = ", ".join(s.qualified_name for s in candidates if not s.first_party)
+            log.warning("%s '%s' is also provided by %s; using omnirl's own (%s). Pick another by its qualified "
+                        "name.", self.kind, name, others, ours[0].qualified_name)
+            return ours[0]
         raise PluginError(
             f"The {self.kind} name '{name}' is ambiguous: {len(candidates)} plugins provide it ({options}).",
             hint=f"Pick one by its qualified name, e.g. '{candidates[0].qualified_name}'.",

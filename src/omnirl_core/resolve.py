@@ -3,6 +3,7 @@ Nothing here touches a device or imports torch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from omnirl_core.config import RunConfig, build_config, deep_merge, get_path, va
 from omnirl_core.errors import ConfigError, PluginError
 from omnirl_core.plugins import PluginManager
 from omnirl_core.registry import AlgorithmSpec, DeviceSpec, EngineSpec, ModelSpec, RewardSpec
+
+log = logging.getLogger("omnirl")
 
 
 @dataclass
@@ -125,6 +128,19 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     names = [e.name for e in config.rewards]
     if len(set(names)) != len(names):
         raise ConfigError(f"A reward is listed twice: {names}.", hint="Give each reward once, with its weight.")
+    for entry in config.rewards:
+        if entry.weight == 0:
+            log.warning("reward '%s' has weight 0: it is scored and logged but does not train the model",
+                        entry.name)
+    if len(config.rewards) > 1 and sum(e.weight for e in config.rewards) == 0:
+        log.warning("the reward weights sum to 0 (%s): rewards that move together cancel out",
+                    ", ".join(f"{e.name}={e.weight:g}" for e in config.rewards))
+    if config.rollout.group_size < algo_spec.min_group_size:
+        raise ConfigError(
+            f"rollout.group_size = {config.rollout.group_size}, but '{algo_spec.name}' compares samples within a "
+            f"group and needs at least {algo_spec.min_group_size} (with 1, every advantage is 0: nothing trains).",
+            hint=f"Set rollout.group_size to {algo_spec.min_group_size} or more (8-24 in the papers).",
+        )
 
     options: dict[str, BaseModel | None] = {}
     problems: list[str] = []

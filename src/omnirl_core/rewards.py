@@ -1,16 +1,23 @@
 """Reward dispatch: several rewards combined as a weighted sum, each required or optional.
 
-A failing optional reward is logged and reported (``reward/<name>/failed``); it is left out of the sum
-for that batch, never silently scored 0. A failing required reward fails the step.
+Every call has a deadline (``run.reward_timeout_s``) and runs on a daemon thread, so a hung reward neither
+hangs the run nor keeps Ctrl-C from stopping it. A score must be a finite real number (not a bool, not a
+string). A failing required reward fails the step with its error. A failing optional reward is dropped for
+the whole group of every sample it failed on (group-mates are compared on the same rewards, so the
+advantages stay unbiased), counted in ``reward/<name>/dropped_frac``; an optional reward that fails on
+every group for ``run.reward_max_failed_steps`` steps in a row stops the run, as does a step in which no
+group has any reward left.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,52 +39,141 @@ class RewardError(OmnirlError):
     pass
 
 
+class RewardTimeout(RuntimeError):
+    pass
+
+
+def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None, name: str) -> Any:
+    """``fn()`` on a daemon thread; past ``timeout_s`` it is abandoned (a thread cannot be killed: it is left
+    to finish in the background, and never keeps the process alive) and RewardTimeout is raised."""
+    if timeout_s is None:
+        return fn()
+    result: Future = Future()
+
+    def target() -> None:
+        try:
+            result.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            result.set_exception(exc)
+
+    threading.Thread(target=target, daemon=True, name=f"omnirl-reward-{name}").start()
+    try:
+        return result.result(timeout=timeout_s)
+    except TimeoutError:
+        raise RewardTimeout(f"no answer within {timeout_s:g} s (run.reward_timeout_s)") from None
+
+
+def check_scores(values: Any, count: int) -> list[float]:
+    """A reward's answer as floats: one finite real number per sample, or an error that says what is wrong."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"returned a {type(values).__name__}; expected a list of {count} numbers")
+    values = list(values)
+    if len(values) != count:
+        raise ValueError(f"returned {len(values)} scores for {count} samples")
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value).__name__ == "bool_":
+            raise TypeError(f"returned {value!r} ({type(value).__name__}); a score must be a real number "
+                            "(int or float, not bool or str)")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"returned a non-finite score {value!r}")
+        out.append(float(value))
+    return out
+
+
 class RewardSet:
-    def __init__(self, rewards: list[RewardFn]):
+    def __init__(self, rewards: list[RewardFn], timeout_s: float | None = None):
         if not rewards:
             raise ValueError("at least one reward is needed")
         self.rewards = rewards
+        self.timeout_s = timeout_s
         self.time_s = 0.0
         self._lock = threading.Lock()
 
-    def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Fill ``sample.rewards`` and ``sample.reward`` in place; returns failure flags as metrics."""
-        if not samples:
-            return {}
-        start = time.perf_counter()
+    def _call(self, reward: RewardFn, samples: list[Sample]) -> list[float]:
         outputs = [s.output for s in samples]
         prompts = [s.prompt for s in samples]
-        inputs = [s.request.inputs for s in samples]
-        failed: dict[str, float] = {}
+        if getattr(reward.fn, "uses_inputs", False):  # compares against each prompt's record
+            inputs = [s.request.inputs for s in samples]
+            return call_with_deadline(lambda: reward.fn(outputs, prompts, inputs=inputs), self.timeout_s, reward.name)
+        return call_with_deadline(lambda: reward.fn(outputs, prompts), self.timeout_s, reward.name)
+
+    def score(self, samples: list[Sample]) -> None:
+        """Fill ``sample.rewards`` and ``sample.reward`` in place. An optional reward that fails leaves its
+        name out of these samples' ``rewards`` (``RewardHealth.settle`` then drops it for their groups)."""
+        if not samples:
+            return
+        start = time.perf_counter()
         for reward in self.rewards:
             try:
-                if getattr(reward.fn, "uses_inputs", False):  # compares against each prompt's record
-                    values = list(reward.fn(outputs, prompts, inputs=inputs))
-                else:
-                    values = list(reward.fn(outputs, prompts))
-                if len(values) != len(samples):
-                    raise ValueError(f"returned {len(values)} scores for {len(samples)} samples")
-                bad = [v for v in values if not math.isfinite(float(v))]
-                if bad:
-                    raise ValueError(f"returned non-finite scores {bad[:3]}")
+                values = check_scores(self._call(reward, samples), len(samples))
             except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
                 if reward.required:
                     raise RewardError(
-                        f"Required reward '{reward.name}' failed: {type(exc).__name__}: {exc}",
-                        hint="Fix the reward, or mark it optional (rewards[].required=false).",
+                        f"Required reward '{reward.name}' failed on {len(samples)} sample(s): {message}",
+                        hint="Fix the reward, or mark it optional (rewards[].required=false) to drop it for "
+                        "the groups it fails on.",
                     ) from exc
-                log.warning("optional reward %s failed on %d samples: %s", reward.name, len(samples), exc)
-                failed[f"reward/{reward.name}/failed"] = 1.0
+                log.warning("optional reward %s failed on %d sample(s), dropped for their groups: %s",
+                            reward.name, len(samples), message)
                 continue
             for sample, value in zip(samples, values):
-                sample.rewards[reward.name] = float(value)
-        for sample in samples:
-            sample.reward = sum(
-                r.weight * sample.rewards[r.name] for r in self.rewards if r.name in sample.rewards
-            )
+                sample.rewards[reward.name] = value
+        total(samples, self.rewards)
         with self._lock:  # reward threads score concurrently
             self.time_s += time.perf_counter() - start
-        return failed
+
+
+def total(samples: list[Sample], rewards: Sequence[Any]) -> None:
+    """Each sample's reward: the weighted sum of the rewards it has."""
+    for sample in samples:
+        sample.reward = sum(r.weight * sample.rewards[r.name] for r in rewards if r.name in sample.rewards)
+
+
+class RewardHealth:
+    """After a step's scoring (in the controller, whatever executor scored): optional rewards dropped group
+    by group where they failed, the drop fractions as metrics, and a stop when rewards keep failing."""
+
+    def __init__(self, max_failed_steps: int):
+        self.max_failed_steps = max_failed_steps
+        self.streaks: dict[str, int] = {}
+
+    def state(self) -> dict[str, Any]:
+        return {"failed_streaks": dict(self.streaks)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.streaks = dict(state.get("failed_streaks", {}))
+
+    def settle(self, samples: list[Sample], entries: Sequence[Any], step: int) -> dict[str, float]:
+        groups: dict[int, list[Sample]] = {}
+        for sample in samples:
+            groups.setdefault(sample.request.group, []).append(sample)
+        metrics: dict[str, float] = {}
+        for entry in entries:
+            failed = [g for g in groups.values() if any(entry.name not in s.rewards for s in g)]
+            for group in failed:
+                for sample in group:
+                    sample.rewards.pop(entry.name, None)
+            if entry.required:
+                continue
+            metrics[f"reward/{entry.name}/dropped_frac"] = len(failed) / max(len(groups), 1)
+            self.streaks[entry.name] = self.streaks.get(entry.name, 0) + 1 if len(failed) == len(groups) else 0
+            if self.streaks[entry.name] >= self.max_failed_steps:
+                raise RewardError(
+                    f"Optional reward '{entry.name}' failed on every sample for {self.streaks[entry.name]} steps "
+                    f"in a row (step {step}): the run would train without it.",
+                    details=["Its errors are in the warnings above."],
+                    hint="Fix the reward (or its server), or remove it from the run; "
+                    "run.reward_max_failed_steps sets the patience.",
+                )
+        total(samples, entries)
+        empty = [g for g in groups.values() if not g[0].rewards]
+        if empty and len(empty) == len(groups):
+            raise RewardError(f"No reward could be computed for any sample at step {step}: every reward of the "
+                              "run failed (see the warnings above).", hint="Fix the rewards, or their servers.")
+        metrics["reward/groups_without_reward_frac"] = len(empty) / max(len(groups), 1)
+        return metrics
 
 
 @dataclass
@@ -93,11 +189,38 @@ class RewardTiming:
         return {"time/rollout_s": self.rollout_s, "time/reward_s": self.wait_s, "time/reward_busy_s": self.busy_s}
 
 
-def merge_failures(results: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for failed in results:
-        out.update(failed)
-    return out
+class RewardPool:
+    """Daemon worker threads (a ThreadPoolExecutor's threads are joined at exit, so one hung reward would
+    keep the process from ever ending, Ctrl-C included)."""
+
+    def __init__(self, workers: int, name: str = "omnirl-reward"):
+        import queue
+
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for n in range(workers):
+            threading.Thread(target=self._work, daemon=True, name=f"{name}-{n}").start()
+        self.workers = workers
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        for _ in range(self.workers):
+            self._jobs.put(None)
 
 
 class RewardStream:
@@ -110,22 +233,20 @@ class RewardStream:
     """
 
     def __init__(self, rewards: RewardSet, workers: int = 2, mode: str = "async"):
-        from concurrent.futures import ThreadPoolExecutor
-
         if mode not in ("async", "sync"):
             raise ValueError(f"reward mode must be 'async' or 'sync', got {mode!r}")
         self.rewards = rewards
         self.workers = workers
         self.mode = mode
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="omnirl-reward")
+        self.pool = RewardPool(workers)
 
-    def _timed_score(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
+    def _timed_score(self, samples: list[Sample]) -> float:
         start = time.perf_counter()
-        failed = self.rewards.score(samples)
-        return failed, time.perf_counter() - start
+        self.rewards.score(samples)
+        return time.perf_counter() - start
 
-    def run(self, stream: Any) -> tuple[list[Sample], dict[str, float], RewardTiming]:
-        """Drain ``stream`` (an iterator of finished samples); returns (samples, failure flags, timing)."""
+    def run(self, stream: Any) -> tuple[list[Sample], RewardTiming]:
+        """Drain ``stream`` (an iterator of finished samples); returns (samples, timing)."""
         start = time.perf_counter()
         samples: list[Sample] = []
         futures = []
@@ -138,10 +259,13 @@ class RewardStream:
             size = -(-len(samples) // self.workers) if samples else 1
             futures = [self.pool.submit(self._timed_score, samples[i:i + size])
                        for i in range(0, len(samples), size)]
-        results = [f.result() for f in futures]
-        timing = RewardTiming(rollout_end - start, time.perf_counter() - rollout_end,
-                              sum(busy for _, busy in results))
-        return samples, merge_failures([failed for failed, _ in results]), timing
+        try:
+            results = [f.result() for f in futures]  # each call has its deadline (RewardSet)
+        finally:
+            for f in futures:
+                f.cancel()  # a failed step leaves no queued work behind
+        timing = RewardTiming(rollout_end - start, time.perf_counter() - rollout_end, sum(results))
+        return samples, timing
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool.close()

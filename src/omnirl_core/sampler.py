@@ -56,6 +56,9 @@ def step_mean(
 
     ``sigma_max`` (B,) replaces s in the Flow-SDE denominator where s == 1 (the schedule's second sigma).
     """
+    if kind not in DETERMINISTIC and not eta > 0:
+        raise ValueError(f"the '{kind}' sampler needs a noise level eta > 0 (got {eta}): with no noise its "
+                         "transition has no density, and every log-prob would be NaN")
     x = x.float()
     v = v.float()
     s = s.float()

@@ -7,6 +7,7 @@ One training unit is one sampled sequence. Log-probs are padded to (N, T) with a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +98,15 @@ class TokenPolicyGradient:
     def recompute(self) -> bool:
         return self.config.train.old_logprob == "recompute"
 
-    def _logprobs(self, model: Any, units: list[SequenceUnit]) -> list[torch.Tensor]:
+    def _logprobs(self, model: Any, units: list[SequenceUnit], untruncated: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probs under the sampling distribution, or (``untruncated``) without its top-k / top-p
+        cut: a sampled token may lie outside the reference's top-k, where the cut distribution gives -inf."""
         samples = [u.sample for u in units]
+        params = [s.extras["sampling"] for s in samples]
+        if untruncated:
+            params = [dataclasses.replace(p, top_k=0, top_p=1.0) for p in params]
         return model.token_logprobs([s.extras["prompt"] for s in samples], [completion_tokens(s) for s in samples],
-                                    [s.extras["sampling"] for s in samples])
+                                    params)
 
     def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
         """Without grad, before the update: old log-probs (recompute mode) and the reference's."""
@@ -121,8 +127,9 @@ class TokenPolicyGradient:
         return metrics
 
     def reference_prepare(self, model: Any, units: list[SequenceUnit]) -> None:
-        """Without grad, ``model`` being the reference policy: its per-token log-probs."""
-        for u, lp in zip(units, self._logprobs(model, units)):
+        """Without grad, ``model`` being the reference policy: its per-token log-probs over its whole support
+        (temperature and allowed tokens applied, no top-k / top-p), so the KL term stays finite."""
+        for u, lp in zip(units, self._logprobs(model, units, untruncated=True)):
             u.ref_logprobs = lp.detach()
 
     def surrogate(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,

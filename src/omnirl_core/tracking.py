@@ -1,19 +1,25 @@
-"""The run directory: resolved config, plugin lock, metrics.jsonl, sample grids, reward curve."""
+"""The run directory: resolved config, plugin lock, metrics.jsonl, sample grids, reward curve; a lock while a
+run uses it."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from omnirl_core.checkpoint import write_atomic
+from omnirl_core.errors import ConfigError, UsageError
+
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "plugins.lock.json"
 METRICS_FILE = "metrics.jsonl"
+RUN_LOCK = ".omnirl.lock"
+_HELD: dict[Path, int] = {}  # run directories this process holds (flock is per open file, not per process)
 # keys that may differ between invocations of one run (a resumed run may train longer)
 RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
@@ -21,13 +27,6 @@ RUN_IDENTITY_IGNORES = (
     "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
     "run.reference", "run.rollout_threads", "run.reward_concurrency",
 )
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _without(config: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
@@ -68,6 +67,59 @@ class RunDir:
         self.path = path
         self.samples = path / "samples"
 
+    # -- lock ----------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Hold the directory for this process until ``unlock`` or exit (kill -9 included: the kernel drops
+        the lock with the process). A second run on the same directory is refused."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        key = self.path.resolve()
+        if key in _HELD:
+            return
+        fd = os.open(self.path / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(f"Run directory '{self.path}' is in use by another omnirl process (pid {owner}).",
+                             hint="Wait for that run to end or stop it, or use another --output-dir.") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _HELD[key] = fd
+
+    def unlock(self) -> None:
+        fd = _HELD.pop(self.path.resolve(), None)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def check(self, config: dict[str, Any]) -> list[str]:
+        """Refuse a directory that is not an omnirl run or holds a different run; returns notes on options
+        only one side knows (the saved run predates them)."""
+        if self.is_foreign():
+            raise ConfigError(f"Output directory '{self.path}' is not empty and holds no omnirl run.",
+                              hint="Pick another --output-dir.")
+        one_sided: list[str] = []
+        diffs = self.differences(config, one_sided)
+        if diffs:
+            raise ConfigError(
+                f"Output directory '{self.path}' holds a different run.",
+                details=["Differences:", *(f"  {d}" for d in diffs[:10])],
+                hint="Use another --output-dir, or rerun with the same settings to resume that run.",
+            )
+        return one_sided
+
+    def claim(self, config: dict[str, Any], plugins: list[dict[str, Any]]) -> bool:
+        """Take the directory for a run: lock it, check it again (under the lock), clean what interrupted
+        writes left, write the config. Returns whether a checkpoint exists to resume from."""
+        from omnirl_core.checkpoint import clean_partial, latest_checkpoint
+
+        self.lock()
+        self.check(config)
+        clean_partial(self.path)
+        self.prepare(config, plugins)
+        return latest_checkpoint(self.path) is not None
+
     @property
     def config_path(self) -> Path:
         return self.path / CONFIG_FILE
@@ -88,36 +140,37 @@ class RunDir:
 
     def is_foreign(self) -> bool:
         """A non-empty directory that is not an omnirl run."""
-        return self.path.is_dir() and any(self.path.iterdir()) and not self.config_path.is_file()
+        return (self.path.is_dir() and any(p.name != RUN_LOCK for p in self.path.iterdir())
+                and not self.config_path.is_file())
 
     def prepare(self, config: dict[str, Any], lock: list[dict[str, Any]]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         self.samples.mkdir(exist_ok=True)
-        _atomic_write(self.config_path, yaml.safe_dump(config, sort_keys=False))
-        _atomic_write(self.path / LOCK_FILE, json.dumps(lock, indent=2) + "\n")
+        write_atomic(self.config_path, yaml.safe_dump(config, sort_keys=False))
+        write_atomic(self.path / LOCK_FILE, json.dumps(lock, indent=2) + "\n")
 
     # -- metrics -------------------------------------------------------------------------------
+    # One row per finished step, appended (and fsynced) as the run goes so it can be watched. Every
+    # checkpoint keeps a copy of the rows up to its step; a resume puts that copy back, so rows of steps
+    # after the checkpoint (which the resumed run computes again) never stay twice.
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS_FILE, "a") as fh:
             fh.write(json.dumps(record, allow_nan=True) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
-    def read_metrics(self) -> list[dict[str, Any]]:
+    def metrics_bytes(self) -> bytes:
+        """metrics.jsonl as saved, without a torn last line."""
         path = self.path / METRICS_FILE
-        if not path.is_file():
-            return []
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a torn last line from a crash
-        return records
+        data = path.read_bytes() if path.is_file() else b""
+        return data[:data.rfind(b"\n") + 1]
 
-    def truncate_metrics(self, last_step: int) -> None:
-        kept = [r for r in self.read_metrics() if r.get("step", 0) <= last_step]
-        _atomic_write(self.path / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+    def restore_metrics(self, data: bytes) -> None:
+        """Make metrics.jsonl exactly ``data`` (a checkpoint's copy, or empty for a run that starts over)."""
+        write_atomic(self.path / METRICS_FILE, data)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.metrics_bytes().decode().splitlines() if line.strip()]
 
     # -- images --------------------------------------------------------------------------------
     def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int,
@@ -131,10 +184,10 @@ class RunDir:
             scores = rewards if rewards is not None else [None] * len(images)
             lines = [json.dumps({"prompt": p, "output": o, "reward": r}, ensure_ascii=False)
                      for p, o, r in zip(prompts, images, scores)]
-            _atomic_write(path, "\n".join(lines) + "\n")
+            write_atomic(path, "\n".join(lines) + "\n")
             return path
         path = self.samples / f"step-{step:06d}.png"
-        image_grid(images, prompts, columns).save(path)
+        _save_png(image_grid(images, prompts, columns), path)
         if images and all(is_video(x) for x in images):
             video_grid_gif(images, prompts, columns, path.with_suffix(".gif"))
         return path
@@ -146,5 +199,13 @@ class RunDir:
         if not records:
             return None
         path = self.path / "reward_curve.png"
-        reward_curve(records).save(path)
+        _save_png(reward_curve(records), path)
         return path
+
+
+def _save_png(image: Any, path: Path) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    write_atomic(path, buffer.getvalue())

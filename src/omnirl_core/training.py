@@ -3,8 +3,35 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from typing import Any
+
+from omnirl_core.errors import OmnirlError
+
+
+class NonFiniteError(OmnirlError):
+    """A loss or gradient that is NaN or infinite, found before the optimizer step that would apply it."""
+
+
+def finite_update(grad_norm: float, losses: list[float], step: int, minibatch: int, policy: str,
+                  metrics: MetricMean) -> bool:
+    """Whether to take the optimizer step of a minibatch: every loss and the (all-reduced) gradient norm
+    finite. Otherwise ``train.nonfinite``: 'stop' raises before the weights change (the run's last checkpoint
+    stays as it is), 'skip' drops this minibatch's gradient and counts it."""
+    bad = not math.isfinite(grad_norm) or not all(math.isfinite(v) for v in losses)
+    metrics.add({"train/skipped_minibatches": float(bad)}, 1.0)
+    if not bad:
+        return True
+    if policy == "skip":
+        return False
+    raise NonFiniteError(
+        f"Non-finite training numbers at step {step}, minibatch {minibatch + 1}: grad_norm={grad_norm}, "
+        f"losses={[round(v, 6) if math.isfinite(v) else v for v in losses][:8]}. The optimizer step was not "
+        "taken and nothing of this step is saved.",
+        hint="Lower train.lr or raise clipping; check logprob/abs_delta_max in metrics.jsonl; or set "
+        "train.nonfinite=skip to skip such minibatches. Rerun the same command to resume from the last checkpoint.",
+    )
 
 
 def chunks(items: list[Any], size: int) -> list[list[Any]]:

@@ -195,10 +195,10 @@ class Worker:
         return files
 
     def load_state(self, directory: str | Path) -> None:
-        """Load what ``save_state`` (or an older inline executor's ``save_checkpoint``) wrote."""
+        """Load what ``save_state`` wrote (``omnirl_core.checkpoint`` has verified every file)."""
         from safetensors.torch import load_file
 
-        from omnirl_core.checkpoint import optimizer_from_tensors
+        from omnirl_core.checkpoint import optimizer_from_tensors, read_json
 
         directory = Path(directory)
         if hasattr(self.trainer, "load_shards"):
@@ -206,11 +206,7 @@ class Worker:
         else:
             self.model.load_trained(directory)
             if self.trainer is not None and (directory / "optimizer.safetensors").is_file():
-                meta_file = directory / OPTIMIZER_META
-                if meta_file.is_file():
-                    meta = json.loads(meta_file.read_text())
-                else:  # older inline checkpoints: the optimizer metadata sits in trainer_state.json
-                    meta = json.loads((directory / "trainer_state.json").read_text())["optimizer"]
+                meta = read_json(directory / OPTIMIZER_META)
                 optimizer_from_tensors(self.trainer.optimizer, load_file(str(directory / "optimizer.safetensors")),
                                        meta)
         if self.trainer is not None:
@@ -240,7 +236,9 @@ def save_algorithm_state(algorithm: Any, directory: Path) -> list[str]:
 def load_algorithm_state(algorithm: Any, model: Any, directory: Path) -> None:
     from safetensors.torch import load_file
 
+    from omnirl_core.checkpoint import read_json
+
     if (directory / ALGORITHM_STATE).is_file() and hasattr(algorithm, "load_state"):
-        algorithm.load_state(json.loads((directory / ALGORITHM_STATE).read_text()))
+        algorithm.load_state(read_json(directory / ALGORITHM_STATE))
     if (directory / ALGORITHM_TENSORS).is_file() and hasattr(algorithm, "load_state_tensors"):
         algorithm.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)

@@ -25,7 +25,7 @@ from omnirl_core.policy_gradient import FlowPolicyGradient, Transition
 
 class DanceGRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    noise_level: float = Field(0.3, ge=0, description="eta of the Dance-SDE (0.3 FLUX; 0.7 in MixGRPO's runs).")
+    noise_level: float = Field(0.3, gt=0, description="eta of the Dance-SDE (0.3 FLUX; 0.7 in MixGRPO's runs).")
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the denoising steps trained per sample, drawn at random."
     )

@@ -50,7 +50,7 @@ class DPOConfig(BaseModel):
         "the reference project); None keeps the base model."
     )
     sampler: Literal["ode", "sde", "dance"] = Field("ode", description="Rollout sampler (no log-probs are used).")
-    noise_level: float = Field(0.7, ge=0, description="eta of a stochastic rollout sampler.")
+    noise_level: float = Field(0.7, gt=0, description="eta of a stochastic rollout sampler.")
     preference_file: str | None = Field(
         None, description="Offline: a .jsonl file of {\"prompt\", \"chosen\", \"rejected\"} records; image paths "
         "relative to the file."

@@ -21,7 +21,7 @@ from omnirl_core.policy_gradient import FlowPolicyGradient
 class FlowGRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sampler: Literal["sde", "cps"] = Field("sde", description="Stochastic sampler of the trained steps.")
-    noise_level: float = Field(0.7, ge=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image; CPS 0.8).")
+    noise_level: float = Field(0.7, gt=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image; CPS 0.8).")
     clip_range: float = Field(1e-4, gt=0, description="PPO clip e on the ratio.")
     beta: float = Field(0.04, ge=0, description="KL weight to the reference (base model); 0 turns it off.")
     adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")

@@ -28,7 +28,7 @@ class GRPOGuardConfig(BaseModel):
     sampler: Literal["sde", "dance"] = Field(
         "sde", description="Stochastic sampler of the trained steps: Flow-SDE or Dance-SDE (Gaussian log-probs)."
     )
-    noise_level: float = Field(0.7, ge=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image).")
+    noise_level: float = Field(0.7, gt=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image).")
     clip_range: float = Field(2e-6, gt=0, description="Clip e on the normalised ratio (2e-6 in the reference).")
     normalize_ratio: bool = Field(True, description="Use the normalised ratio rho~ (False: FlowGRPO's ratio).")
     reweight_steps: bool = Field(True, description="Divide each step's loss by its step size D = s - s'.")

@@ -29,9 +29,10 @@ from omnirl_core.policy_gradient import FlowPolicyGradient
 class MixGRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sampler: Literal["dance", "sde", "cps"] = Field(
-        "dance", description="SDE of the window steps: 'dance' (Dance-SDE, the paper's), 'sde' (Flow-SDE), 'cps'."
+        "sde", description="SDE of the window steps: 'sde' (Flow-SDE at eta 0.7, as the paper's released training "
+        "scripts run MixGRPO), 'dance' (Dance-SDE, DanceGRPO's), 'cps'."
     )
-    noise_level: float = Field(0.7, ge=0, description="eta of the window SDE (0.7 in the paper).")
+    noise_level: float = Field(0.7, gt=0, description="eta of the window SDE (0.7 in the paper).")
     window_size: int = Field(4, ge=1, description="w: consecutive SDE steps that are trained (4 of 25 in the paper).")
     window_schedule: Literal["progressive", "random", "frozen"] = Field(
         "progressive", description="How the window start l moves over training."

@@ -58,7 +58,7 @@ def test_flash_plan_compresses_the_steps_after_the_window_with_the_second_order_
     plan = mixed_plan(MixGRPOConfig(window_size=2, flash=True, flash_compression=3), num_steps=12, start=1)
     # steps 0 (ode), 1-2 (window), then schedule points 3 -> 6 -> 9 -> 12 in three dpm2 steps
     assert plan.sigma_indices == (0, 1, 2, 3, 6, 9, 12)
-    assert plan.step_kinds == ("ode", "dance", "dance", "dpm2", "dpm2", "dpm2")
+    assert plan.step_kinds == ("ode", "sde", "sde", "dpm2", "dpm2", "dpm2")  # the default window SDE: Flow-SDE
     assert plan.train_steps == (1, 2) and plan.schedule_steps == 12
     full = torch.linspace(1.0, 0.0, 13)
     assert torch.equal(plan.sigmas_from(full), full[[0, 1, 2, 3, 6, 9, 12]])

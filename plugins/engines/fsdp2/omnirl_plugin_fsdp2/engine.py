@@ -31,7 +31,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
 from omnirl_core.distributed import default_backend, ensure_process_group
-from omnirl_core.training import MetricMean, minibatches, prepare_all, rank_share, rs_corrections, split_even
+from omnirl_core.training import (
+    MetricMean,
+    finite_update,
+    minibatches,
+    prepare_all,
+    rank_share,
+    rs_corrections,
+    split_even,
+)
 
 SHARD_DIR = "shards"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -119,9 +127,12 @@ class FSDP2TrainEngine:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             for micro in split_even(fix, int(count.item())):
                 self._backward(algorithm, micro, minibatch, correction=True)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
-            metrics.add({"grad_norm": float(_full(grad_norm))}, 1.0 / self.world_size)
-            self.optimizer.step()
+            # the norm is all-reduced, so every rank takes the same decision (a NaN on any rank poisons it)
+            grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)))
+            if finite_update(grad_norm, [], step, index, self.train.nonfinite, metrics):
+                metrics.add({"grad_norm": grad_norm}, 1.0 / self.world_size)
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         metrics.all_reduce(self.comm_device)
         return metrics.result()
 

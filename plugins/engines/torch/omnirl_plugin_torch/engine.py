@@ -14,7 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import TrainSection
-from omnirl_core.training import MetricMean, chunks, minibatches, prepare_all, rs_corrections
+from omnirl_core.training import MetricMean, chunks, finite_update, minibatches, prepare_all, rs_corrections
 
 
 class TorchTrainOptions(BaseModel):
@@ -41,14 +41,19 @@ class TorchTrainEngine:
         params = self.model.trainable_parameters()
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
+            losses = []
             for micro in chunks(minibatch, mbs):
                 loss, m = algorithm.loss(self.model, micro, first_update=index == 0)
                 (loss * (len(micro) / len(minibatch))).backward()
-                metrics.add({"loss": float(loss.detach()), **m}, len(micro))
+                losses.append(float(loss.detach()))
+                metrics.add({"loss": losses[-1], **m}, len(micro))
             for micro in chunks(rs_corrections(algorithm, minibatch, metrics), mbs):
                 loss, _ = algorithm.loss(self.model, micro, correction=True)
                 (loss * (len(micro) / len(minibatch))).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
-            metrics.add({"grad_norm": float(grad_norm)}, 1.0)
-            self.optimizer.step()
+                losses.append(float(loss.detach()))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm))
+            if finite_update(grad_norm, losses, step, index, self.train.nonfinite, metrics):
+                metrics.add({"grad_norm": grad_norm}, 1.0)
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return metrics.result()
