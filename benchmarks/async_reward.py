@@ -3,8 +3,9 @@
     /work/venv/bin/python benchmarks/async_reward.py [--steps 2] [--quick]
 
 (a) ``ocr``: the real OCR reward (RapidOCR on CPU) on the same 2 cores as the rollout.
-(b) ``http-judge``: a judge served over HTTP on this machine, in another process, with a set latency per
-    image. It STANDS FOR A VLM JUDGE ON OTHER HARDWARE: its cost to the trainer is latency, not our CPU.
+(b) ``vlm-judge``: a stand-in judge with the OpenAI-compatible chat-completions API, served on this machine
+    in another process, with a set latency per image (it scores mean brightness, deterministically). It
+    STANDS FOR A VLM JUDGE ON OTHER HARDWARE: its cost to the trainer is latency, not our CPU.
     The latency is set from a measured rollout so that the reward phase is about 0.8 x the rollout.
 
 Per mode: step time; rollout R and reward W (sync: the scoring wall time after the rollout); the ideal
@@ -85,10 +86,10 @@ def start_judge(latency: float) -> tuple[subprocess.Popen, str]:
     from omnirl_core.distributed import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "omnirl_plugin_http_judge.server", "--port", str(port),
-                             "--latency", f"{latency:.4f}"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "omnirl_plugin_vlm_judge.server", "--port", str(port),
+                             "--latency-ms", f"{1000 * latency:.1f}"], stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()  # the server prints its address once it listens
-    return proc, f"http://127.0.0.1:{port}/score"
+    return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def main() -> None:
@@ -105,7 +106,7 @@ def main() -> None:
                         help="calls each reward worker serves at once (run.reward_concurrency)")
     parser.add_argument("--executor", choices=("inline", "ray"), default="inline",
                         help="ray: a local Ray instance, reward actors instead of threads")
-    parser.add_argument("--only", choices=("http_judge", "ocr"), default=None, help="run one scenario")
+    parser.add_argument("--only", choices=("vlm_judge", "ocr"), default=None, help="run one scenario")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
@@ -121,12 +122,12 @@ def main() -> None:
     workers = args.workers
     if args.only != "ocr":
         run_judge(args, tmp, workers, result)
-    if args.only != "http_judge":
+    if args.only != "vlm_judge":
         run_ocr(args, tmp, args.ocr_workers, result)
     if args.executor == "ray":
         ray.shutdown()
     path = write("async_reward" if args.executor == "inline" else "async_reward_ray", result)
-    for name in ("http_judge", "ocr"):
+    for name in ("vlm_judge", "ocr"):
         part = result.get(name)
         if part is None:
             continue
@@ -149,9 +150,10 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     judge, url = start_judge(latency)
     try:
         t0 = time.perf_counter()
-        ctl = controller(tmp / "judge", workload(args, [{"name": "http-judge", "options": {"url": url}}],
-                                                  workers))
-        result["http_judge"] = {
+        # one request at a time per reward thread, as the latency above assumes (workers x reward_concurrency)
+        reward = {"name": "vlm-judge", "options": {"url": url, "model": "stand-in", "concurrency": 1}}
+        ctl = controller(tmp / "judge", workload(args, [reward], workers))
+        result["vlm_judge"] = {
             "note": "The judge is a stand-in served over HTTP on this machine in another process, with a set "
                     "latency per image: it stands for a VLM judge on other hardware (its cost is latency).",
             "latency_per_image_s": latency, "reward_workers": workers, **summary(alternate(ctl, args.steps)),

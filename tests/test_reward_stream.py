@@ -65,7 +65,7 @@ def test_failures_in_streamed_scoring():
     ("ocr", "async", 1, None, 1),        # OCR declares 1 CPU: the rollout gives one core up
     ("ocr", "sync", 1, None, None),      # nothing overlaps: threads left alone
     ("color", "async", 2, None, None),   # declares no CPU
-    ("http-judge", "async", 4, None, None),  # 0.1 CPU x 4 workers: less than a core
+    ("vlm-judge", "async", 4, None, None),   # 0.1 CPU x 4 workers: less than a core
     ("ocr", "async", 1, 3, 3),           # set explicitly
 ])
 def test_inline_rollout_gives_cpu_bound_rewards_their_cores(tmp_path, monkeypatch, reward, mode, workers, threads,
@@ -79,7 +79,7 @@ def test_inline_rollout_gives_cpu_bound_rewards_their_cores(tmp_path, monkeypatc
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",
                           "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_color",
-                          "omnirl_plugin_ocr", "omnirl_plugin_http_judge"])
+                          "omnirl_plugin_ocr", "omnirl_plugin_vlm_judge"])
     resolved = resolve_run(manager, [{
         "model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
         "rewards": [{"name": reward}],

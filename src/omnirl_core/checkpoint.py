@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.errors import OmnirlError
+from omnirl_core.errors import EXIT_USAGE, OmnirlError
 
 CHECKSUMS = "checksums.json"
 TRAINER_STATE = "trainer_state.json"
@@ -38,6 +38,8 @@ STEP_DIR = re.compile(r"step-(\d{6,})")
 
 class CheckpointError(OmnirlError):
     """A checkpoint that cannot be trusted or read: names the file and says how to go on."""
+
+    exit_code = EXIT_USAGE  # bad input on disk: the user decides (move it away, start over)
 
 
 def optimizer_to_tensors(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:

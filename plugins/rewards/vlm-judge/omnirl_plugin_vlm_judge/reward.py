@@ -1,0 +1,276 @@
+"""The ``vlm-judge`` reward: each image and its prompt go to a VLM served with the OpenAI-compatible
+chat-completions API (vLLM, SGLang, vllm-omni); the score is parsed from the reply.
+
+One image per request (a base64 PNG data URL in an ``image_url`` content part), ``temperature`` 0. A batch
+is judged with up to ``concurrency`` requests in flight. The requests run on one asyncio event loop in a
+background thread (an ``httpx.AsyncClient`` and its connection pool): httpx's timeouts bound each network
+operation, not a whole request, and only cancelling the request bounds it by a wall-clock deadline - also
+against a server that trickles its headers or its body one byte at a time. Callers (any reward thread) get
+a plain blocking call.
+
+Failures raise :class:`JudgeError` with a one-line message naming the server, never the key; the core's
+reward dispatch decides whether that fails the step or drops the reward for the batch. Retried: connection
+errors, HTTP 429 and 5xx. Not retried: a missed deadline, a redirect (never followed: the key must not reach
+another origin), other statuses, unusable replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import ipaddress
+import json
+import logging
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import numpy as np
+
+from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
+from omnirl_plugin_vlm_judge.parse import JudgeError, ReplyError, loads, parse_score
+from omnirl_plugin_vlm_judge.redaction import Redactor, display_url
+
+log = logging.getLogger("omnirl.rewards.vlm_judge")
+ERROR_BODY_BYTES = 4096  # read of a non-200 reply, for the error message
+MAX_BACKOFF_S = 30.0
+TRANSIENT_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError)
+
+
+def chat_completions_url(url: str) -> str:
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/chat/completions"):
+        path += "/chat/completions"
+    return urlunsplit(parts._replace(path=path))
+
+
+def png_data_url(output: Any) -> str:
+    """(3, H, W) or (H, W, 3) in [0, 1] (a tensor or an array) -> ``data:image/png;base64,...``."""
+    from PIL import Image
+
+    array = output.detach().cpu().float().numpy() if hasattr(output, "detach") else np.asarray(output)
+    if array.ndim != 3 or not (array.shape[0] in (1, 3) or array.shape[-1] in (1, 3)):
+        raise JudgeError(f"vlm-judge scores images (3, H, W) or (H, W, 3); got an output of shape {array.shape}")
+    if array.shape[0] in (1, 3) and array.shape[-1] not in (1, 3):
+        array = np.transpose(array, (1, 2, 0))
+    image = Image.fromarray((np.clip(np.nan_to_num(array), 0, 1) * 255).round().astype(np.uint8).squeeze())
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit] + "…"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class _Transient(Exception):
+    """A failure worth retrying; ``retry_after`` is the server's Retry-After in seconds, if any."""
+
+    def __init__(self, reason: str, retry_after: float | None = None):
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class VLMJudge:
+    def __init__(self, options: VLMJudgeOptions | None = None):
+        self.options = options or VLMJudgeOptions()
+        self.template = self.options.template()
+        self.endpoint = chat_completions_url(self.options.url)
+        self.shown_url = display_url(self.endpoint)
+        # the key only from the environment, read once; kept out of repr, messages and logs
+        self._key = os.environ.get(self.options.api_key_env) or None
+        self._redact = Redactor([self._key] if self._key else [])
+        parts = urlsplit(self.endpoint)
+        if self._key and parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
+            log.warning("vlm-judge sends the API key from %s over plain http to %s; use https beyond this machine",
+                        self.options.api_key_env, self.shown_url)
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    def __repr__(self) -> str:
+        key = f"from ${self.options.api_key_env}" if self._key else "none"
+        return f"VLMJudge(url={self.shown_url!r}, model={self.options.model!r}, parse={self.options.parse!r}, key={key})"
+
+    def __reduce__(self):  # rebuilt from its options (the key is read again from that environment)
+        return (type(self), (self.options,))
+
+    # -- the event loop ----------------------------------------------------------------------
+    def _start(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                opts = self.options
+                self._client = httpx.AsyncClient(
+                    follow_redirects=False,
+                    timeout=httpx.Timeout(opts.timeout_s, connect=min(opts.timeout_s, 10.0)),
+                    limits=httpx.Limits(max_connections=opts.concurrency,
+                                        max_keepalive_connections=opts.concurrency),
+                    headers={"Accept": "application/json", "Accept-Encoding": "identity",
+                             "User-Agent": "omnirl-vlm-judge/0.1"},
+                )
+                self._slots = asyncio.Semaphore(opts.concurrency)
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=loop.run_forever, name="omnirl-vlm-judge", daemon=True)
+                self._thread.start()
+                self._loop = loop
+            return self._loop
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._start()).result()
+
+    def close(self) -> None:
+        """Close the connections and stop the loop thread (a later call starts them again)."""
+        with self._lock:
+            loop, client, thread = self._loop, self._client, self._thread
+            self._loop = self._client = self._thread = self._slots = None
+        if loop is None:
+            return
+        if client is not None:
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(timeout=5)
+        loop.close()
+
+    # -- scoring -----------------------------------------------------------------------------
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+        if len(outputs) != len(prompts):
+            raise JudgeError(f"vlm-judge got {len(outputs)} outputs but {len(prompts)} prompts")
+        if not outputs:
+            return []
+        bodies = [self.request_body(png_data_url(o), p) for o, p in zip(outputs, prompts)]
+        return self._run(self._score_all(bodies))
+
+    def request_body(self, image_url: str, prompt: str) -> bytes:
+        opts = self.options
+        body: dict[str, Any] = {
+            "model": opts.model,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_url}},
+                # replace, not format: a custom template may hold JSON braces
+                {"type": "text", "text": self.template.text.replace("{prompt}", prompt)},
+            ]}],
+            "temperature": 0.0,
+            "n": 1,
+            "max_tokens": opts.max_tokens,
+        }
+        if opts.parse == "yes-logprob":
+            body.update(max_tokens=1, logprobs=True, top_logprobs=opts.top_logprobs)
+        return json.dumps(body).encode()
+
+    async def _score_all(self, bodies: list[bytes]) -> list[float]:
+        tasks = [asyncio.ensure_future(self._score(body)) for body in bodies]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # the first failure ends the batch: no requests left running
+            for task in tasks:
+                task.cancel()
+
+    async def _score(self, body: bytes) -> float:
+        reply = await self._post(body)
+        try:
+            return parse_score(reply, self.options.parse, self.template, self.options.score_field)
+        except ReplyError as exc:
+            raise self._error(f"unusable reply from {self.shown_url}: {exc}. Check that the model follows the "
+                              f"prompt template, or change parse / prompt_template") from None
+
+    def _error(self, message: str) -> JudgeError:
+        return JudgeError("vlm-judge: " + _one_line(self._redact(message), 600))
+
+    async def _post(self, body: bytes) -> Any:
+        opts = self.options
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        attempts = opts.retries + 1
+        assert self._slots is not None
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self._slots:
+                    return await self._attempt(body, headers)
+            except _Transient as exc:
+                if attempt == attempts:
+                    raise self._error(f"{self.shown_url} failed {attempts} time(s), last: {exc}. Check the "
+                                      f"judge server (is it up, overloaded?) or raise retries") from None
+                delay = min(opts.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                if exc.retry_after is not None:
+                    delay = max(delay, min(exc.retry_after, MAX_BACKOFF_S))
+                log.warning("vlm-judge: %s: %s (attempt %d of %d), retrying in %.2f s", self.shown_url,
+                            self._redact(str(exc)), attempt, attempts, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, body: bytes, headers: dict[str, str]) -> Any:
+        """One request within the deadline: the decoded JSON reply, or _Transient / JudgeError."""
+        timeout = self.options.timeout_s
+        try:
+            status, reply_headers, data = await asyncio.wait_for(self._exchange(body, headers), timeout)
+        except asyncio.TimeoutError:
+            raise self._error(f"no complete reply from {self.shown_url} within timeout_s={timeout:g} s; "
+                              f"check the judge server, or raise timeout_s if it is just slow") from None
+        except TRANSIENT_ERRORS as exc:
+            raise _Transient(f"cannot reach it ({type(exc).__name__}: {exc})") from None
+        except httpx.HTTPError as exc:
+            raise self._error(f"request to {self.shown_url} failed ({type(exc).__name__}: {exc}); check url") \
+                from None
+        if status == 200:
+            try:
+                return loads(data)
+            except (ValueError, UnicodeDecodeError):
+                start = _one_line(data[:200].decode("utf-8", "replace"), 120)
+                raise self._error(f"{self.shown_url} answered with a body that is not JSON ({start!r}); "
+                                  f"url must be an OpenAI-compatible API (…/v1)") from None
+        if 300 <= status < 400:
+            where = display_url(reply_headers.get("location", "(no Location)"))
+            raise self._error(f"{self.shown_url} answered HTTP {status}, a redirect to {where}. Redirects are "
+                              f"never followed (the API key must not reach another origin): set url to the "
+                              f"server's real address")
+        text = _one_line(data.decode("utf-8", "replace"))
+        if status == 429 or 500 <= status < 600:
+            retry_after = reply_headers.get("retry-after", "")
+            raise _Transient(f"HTTP {status}: {text!r}",
+                             float(retry_after) if retry_after.isdigit() else None)
+        hint = {401: f"check the key in ${self.options.api_key_env} ({'set' if self._key else 'not set'})",
+                403: f"check the key in ${self.options.api_key_env} ({'set' if self._key else 'not set'})",
+                404: "check url (the server's …/v1) and model (the name the server serves)"}
+        raise self._error(f"{self.shown_url} answered HTTP {status}: {text!r}; "
+                          f"{hint.get(status, 'check model, max_tokens and that the model accepts images')}")
+
+    async def _exchange(self, body: bytes, headers: dict[str, str]) -> tuple[int, httpx.Headers, bytes]:
+        """Send; read at most max_response_bytes of a 200 reply (ERROR_BODY_BYTES of another), streamed."""
+        assert self._client is not None
+        limit = self.options.max_response_bytes
+        async with self._client.stream("POST", self.endpoint, content=body, headers=headers) as response:
+            status = response.status_code
+            if 300 <= status < 400:
+                return status, response.headers, b""
+            declared = response.headers.get("content-length", "")
+            if status == 200 and declared.isdigit() and int(declared) > limit:
+                raise self._error(f"{self.shown_url} announced a {int(declared)}-byte reply, over "
+                                  f"max_response_bytes={limit}; raise max_response_bytes or lower max_tokens")
+            cap = limit if status == 200 else ERROR_BODY_BYTES
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > cap:
+                    if status == 200:
+                        raise self._error(f"the reply from {self.shown_url} exceeds max_response_bytes={limit} "
+                                          f"(stopped reading); raise max_response_bytes or lower max_tokens")
+                    break
+            return status, response.headers, b"".join(chunks)[:cap]

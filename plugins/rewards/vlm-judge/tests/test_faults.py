@@ -1,0 +1,169 @@
+"""vlm-judge against a misbehaving server (a real HTTP server on 127.0.0.1, see conftest.py). Each fault ends
+in a retry or in a clear one-line error within the deadline: never a hang, a silent 0, a leaked key, or an
+unbounded read."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
+from omnirl_plugin_vlm_judge.parse import JudgeError
+from omnirl_plugin_vlm_judge.reward import VLMJudge
+
+from omnirl_core.rewards import RewardError, RewardFn, RewardSet
+
+KEY = "sk-omnirl-Secret-Key"
+IMAGE = np.full((3, 8, 8), 0.5, np.float32)
+
+
+@pytest.fixture
+def judge_for(monkeypatch):
+    """``judge_for(url, **options)``: a judge with the test key in the environment, closed after the test."""
+    monkeypatch.setenv("OMNIRL_JUDGE_API_KEY", KEY)
+    judges: list[VLMJudge] = []
+
+    def build(url: str, **options) -> VLMJudge:
+        judges.append(VLMJudge(VLMJudgeOptions(url=url, **{"backoff_s": 0.01, "timeout_s": 5.0, **options})))
+        return judges[-1]
+
+    yield build
+    for judge in judges:
+        judge.close()
+
+
+def _fails(judge: VLMJudge, match: str, within_s: float) -> str:
+    start = time.perf_counter()
+    with pytest.raises(JudgeError, match=match) as err:
+        judge([IMAGE], ["a prompt"])
+    elapsed = time.perf_counter() - start
+    message = str(err.value)
+    assert elapsed < within_s, f"took {elapsed:.2f} s"
+    assert KEY not in message and "\n" not in message and message.startswith("vlm-judge: ")
+    return message
+
+
+def test_slow_but_within_the_deadline(fake_judge, judge_for):
+    server = fake_judge()
+    server.mode, server.latency_s = "slow", 0.5
+    assert judge_for(server.url, timeout_s=3)([IMAGE], ["p"]) == [0.7]
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_transient_statuses_are_retried(fake_judge, judge_for, status):
+    server = fake_judge()
+    server.mode, server.fail_first, server.fail_status = "fail-then-ok", 2, status
+    assert judge_for(server.url, retries=2)([IMAGE], ["p"]) == [0.7]
+    assert len(server.requests) == 3
+
+
+def test_always_500_fails_after_the_retries(fake_judge, judge_for):
+    server = fake_judge()
+    server.mode = "always-500"
+    message = _fails(judge_for(server.url, retries=2), "failed 3 time\\(s\\), last: HTTP 500", 5)
+    assert server.url in message and "raise retries" in message and "Bearer **********" in message
+    assert len(server.requests) == 3
+
+
+def test_a_refused_connection_is_retried_then_reported(judge_for):
+    message = _fails(judge_for("http://127.0.0.1:9/v1", retries=1), "cannot reach", 5)
+    assert "http://127.0.0.1:9/v1/chat/completions" in message and "ConnectError" in message
+
+
+@pytest.mark.parametrize(("mode", "match"), [
+    ("garbage", "a body that is not JSON \\('<html><body>502"),
+    ("malformed", "unusable reply .* no 'choices' list"),
+    ("no-choices", "expected 1 choice, got 0"),
+    ("two-choices", "expected 1 choice, got 2"),
+])
+def test_unusable_replies_are_errors_not_retried(fake_judge, judge_for, mode, match):
+    server = fake_judge()
+    server.mode = mode
+    _fails(judge_for(server.url), match, 5)
+    assert len(server.requests) == 1
+
+
+def test_a_non_number_score_is_an_error_not_a_score(fake_judge, judge_for):
+    server = fake_judge()
+    server.content = '{"score": true}'
+    _fails(judge_for(server.url, parse="json"), "'score' is bool", 5)
+    server.content = '{"score": "0.18"}'
+    _fails(judge_for(server.url, parse="json"), "'score' is str", 5)
+    server.content = "NaN"
+    _fails(judge_for(server.url), "no number in the reply", 5)
+
+
+@pytest.mark.parametrize("mode", ["trickle", "trickle-headers"])
+def test_a_trickling_server_fails_at_the_deadline(fake_judge, judge_for, mode):
+    server = fake_judge()
+    server.mode, server.trickle_s = mode, 1.5  # one byte every 1.5 s: each read alone would be in time
+    start = time.perf_counter()
+    message = _fails(judge_for(server.url, timeout_s=2.0, retries=2), "no complete reply .* within timeout_s=2 s",
+                     3.0)
+    assert time.perf_counter() - start >= 1.9
+    assert len(server.requests) == 1  # a missed deadline is not retried
+    assert "raise timeout_s" in message
+
+
+def test_a_redirect_is_an_error_and_the_key_never_reaches_the_other_origin(fake_judge, judge_for):
+    other = fake_judge()  # another origin (another port), recording what it receives
+    server = fake_judge()
+    server.mode, server.location = "redirect", f"http://user:pw@127.0.0.1:{other.server.server_address[1]}/steal"
+    message = _fails(judge_for(server.url), "answered HTTP 302, a redirect to", 5)
+    assert f"http://***@127.0.0.1:{other.server.server_address[1]}/steal" in message and ":pw@" not in message
+    assert "never followed" in message
+    assert server.auth_headers == [f"Bearer {KEY}"]
+    assert other.requests == []  # never contacted, let alone with the Authorization header
+
+
+@pytest.mark.parametrize("mode", ["huge", "huge-declared"])
+def test_a_huge_body_is_not_read(fake_judge, judge_for, mode):
+    server = fake_judge()
+    server.mode = mode
+    tracemalloc.start()
+    try:
+        _fails(judge_for(server.url, max_response_bytes=1 << 20), "max_response_bytes=1048576", 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB"
+    time.sleep(0.2)  # the server notices the hang-up
+    assert server.bytes_sent < server.huge // 2
+
+
+@pytest.mark.parametrize("mode", ["echo", "echo-reply"])
+def test_the_key_is_redacted_when_the_server_echoes_it(fake_judge, judge_for, mode, caplog):
+    server = fake_judge()
+    server.mode = mode
+    message = _fails(judge_for(server.url), "HTTP 401|no number", 5)
+    assert "**********" in message
+    assert server.auth_headers == [f"Bearer {KEY}"]  # the key was sent, and echoed, yet not shown
+    assert KEY not in caplog.text
+
+
+def test_a_retried_echo_is_redacted_in_the_log_too(fake_judge, judge_for, caplog):
+    server = fake_judge()
+    server.mode, server.fail_first, server.fail_status = "fail-then-ok", 1, 503  # its 503 body quotes the key
+    server.content = "8"
+    assert judge_for(server.url)([IMAGE], ["p"]) == [0.8]
+    assert "retrying" in caplog.text and "request had Bearer **********" in caplog.text
+    assert KEY not in caplog.text
+
+
+def test_failures_reach_the_core_as_errors_never_as_zero(fake_judge, judge_for):
+    server = fake_judge()
+    server.mode = "always-500"
+    judge = judge_for(server.url, retries=0)
+    required = RewardSet([RewardFn("vlm-judge", judge)])
+    from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+
+    plan = RolloutPlan(step_kinds=("ode",), train_steps=())
+    request = GenRequest(uid=0, prompt="p", prompt_index=0, group=0, seed=0, height=8, width=8, plan=plan)
+    with pytest.raises(RewardError, match="Required reward 'vlm-judge' failed.*: JudgeError: vlm-judge: "):
+        required.score([Sample(request=request, latents=None, sigmas=None, logprobs=None, output=IMAGE)])
+    optional = RewardSet([RewardFn("vlm-judge", judge, required=False), RewardFn("one", lambda o, p: [1.0])])
+    sample = Sample(request=request, latents=None, sigmas=None, logprobs=None, output=IMAGE)
+    optional.score([sample])  # an optional reward that fails is left out, never scored 0
+    assert sample.rewards == {"one": 1.0} and sample.reward == 1.0
