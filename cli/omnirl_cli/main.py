@@ -190,14 +190,15 @@ def devices_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool 
 
 # -- config and train -----------------------------------------------------------------------------
 
-def parse_reward(text: str, plugins: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-    """NAME, NAME:WEIGHT, PLUGIN:NAME or PLUGIN:NAME:WEIGHT (``plugins``: installed plugin names)."""
+def parse_reward(text: str, qualified: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+    """NAME, NAME:WEIGHT, PLUGIN:NAME or PLUGIN:NAME:WEIGHT (``qualified``: the installed rewards'
+    PLUGIN:NAME names, which tell a qualified name from a weight that is not a number)."""
     import math
 
     if not text.strip():
         raise UsageError("Empty --reward.", hint="Use --reward NAME or --reward NAME:WEIGHT.")
     head, sep, tail = text.rpartition(":")
-    if not sep or (head in plugins and ":" not in head and not _is_number(tail)):
+    if not sep or text in qualified:
         return {"name": text}  # NAME or PLUGIN:NAME
     if not _is_number(tail):
         raise UsageError(f"--reward {text}: the weight '{tail}' is not a number.",
@@ -219,7 +220,7 @@ def _is_number(text: str) -> bool:
 
 
 def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed,
-                 executor=None, ray_address=None, plugins=frozenset()) -> list[dict]:
+                 executor=None, ray_address=None, qualified=frozenset()) -> list[dict]:
     from omnirl_core.config import load_recipe, parse_set
 
     layers = []
@@ -233,7 +234,7 @@ def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, st
     if algo:
         flags.setdefault("algorithm", {})["name"] = algo
     if rewards:
-        flags["rewards"] = [parse_reward(r, plugins) for r in rewards]
+        flags["rewards"] = [parse_reward(r, qualified) for r in rewards]
     run: dict[str, Any] = {}
     if output_dir:
         run["output_dir"] = output_dir
@@ -317,7 +318,8 @@ def train(
 
     manager = _manager()
     layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
-                          executor, ray_address, plugins=set(manager.plugins))
+                          executor, ray_address,
+                          qualified={s.qualified_name for s in manager.registries["reward"]})
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     cfg = resolved.config
     run_path = _run_dir(resolved, bool(output_dir))

@@ -166,6 +166,10 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
                           hint="See each plugin's options in its README or `omnirl algos NAME --options`.")
 
     device = resolve_device(manager, config.run.device) if probe_device else None
+    if device is not None and device.torch_device == "cpu":
+        from omnirl_core.memory import check_rollout_memory
+
+        check_rollout_memory(config)
     if device is not None:
         for spec in (rollout_spec, train_spec):
             if device.torch_device not in spec.devices:

@@ -56,11 +56,14 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None, name: str
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             result.set_exception(exc)
 
-    threading.Thread(target=target, daemon=True, name=f"omnirl-reward-{name}").start()
+    thread = threading.Thread(target=target, daemon=True, name=f"omnirl-reward-{name}")
+    thread.start()
     try:
-        return result.result(timeout=timeout_s)
+        value = result.result(timeout=timeout_s)
     except TimeoutError:
         raise RewardTimeout(f"no answer within {timeout_s:g} s (run.reward_timeout_s)") from None
+    thread.join()  # it has answered: this returns at once, and no finished thread outlives its call
+    return value
 
 
 def check_scores(values: Any, count: int) -> list[float]:
@@ -197,8 +200,9 @@ class RewardPool:
         import queue
 
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        for n in range(workers):
-            threading.Thread(target=self._work, daemon=True, name=f"{name}-{n}").start()
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"{name}-{n}") for n in range(workers)]
+        for thread in self._threads:
+            thread.start()
         self.workers = workers
 
     def _work(self) -> None:
@@ -218,9 +222,14 @@ class RewardPool:
         self._jobs.put((future, fn, args))
         return future
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers: idle ones end at once and are joined (no thread of ours is left running when the
+        interpreter shuts down); one stuck in a reward past its deadline is left behind (it is a daemon)."""
         for _ in range(self.workers):
             self._jobs.put(None)
+        end = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
 
 
 class RewardStream:
