@@ -145,8 +145,8 @@ def clean_partial(run_dir: Path) -> list[str]:
     """Remove what interrupted writes left behind: temporary checkpoint directories, and the temporary
     files of ``write_atomic`` beside the run's own files. Call it only while holding the run's lock."""
     removed = []
-    targets = {run_dir: ("config.yaml", "plugins.lock.json", "metrics.jsonl"), run_dir / "checkpoints": ("latest",),
-               run_dir / "samples": ()}
+    targets = {run_dir: ("config.yaml", "plugins.lock.json", "metrics.jsonl", "runtime.json", "reward_curve.png"),
+               run_dir / "checkpoints": ("latest",), run_dir / "samples": ()}
     for parent, names in targets.items():
         if not parent.is_dir():
             continue

@@ -153,6 +153,10 @@ class RunSection(Section):
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
         "on I/O, such as a remote judge, rather than adding reward processes.",
     )
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of torch's compute in each worker process; None: every core this "
+        "process may use (affinity and cgroup quota). See omnirl_core.threads for the wait policy.",
+    )
     reward_timeout_s: float | None = Field(
         600.0, gt=0, description="Deadline of one reward call (a batch, or one sample in async mode), in seconds: "
         "past it the call fails (a required reward fails the step, an optional one is dropped); None: no deadline.",

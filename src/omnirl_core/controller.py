@@ -87,9 +87,11 @@ class Controller:
 
     def setup(self) -> None:
         from omnirl_core.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, metrics_copy
+        from omnirl_core.threads import configure
 
         self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
         clean_partial(self.run_dir.path)
+        self.run_dir.save_runtime({"threads": configure(self.cfg.run.threads).as_dict()})
         self.executor.setup(self.algorithm)
         ckpt = latest_checkpoint(self.run_dir.path)
         if ckpt is None:

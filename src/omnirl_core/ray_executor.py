@@ -163,7 +163,10 @@ class RayExecutor:
 
         if ray.is_initialized():
             return
-        env = {k: v for k, v in os.environ.items() if k.startswith(("OMNIRL_", "HF_"))}
+        # the thread policy's wait setting (omnirl_core.threads) goes to the workers too; Ray sizes each
+        # worker's OpenMP pool to its CPUs itself
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
         ray.init(address=self.resolved.config.run.ray_address, include_dashboard=False,
                  runtime_env={"env_vars": env} if env else None)
         self._started_ray = True

@@ -19,13 +19,16 @@ CONFIG_FILE = "config.yaml"
 LOCK_FILE = "plugins.lock.json"
 METRICS_FILE = "metrics.jsonl"
 RUN_LOCK = ".omnirl.lock"
+RUNTIME_FILE = "runtime.json"
 _HELD: dict[Path, int] = {}  # run directories this process holds (flock is per open file, not per process)
 # keys that may differ between invocations of one run (a resumed run may train longer)
 RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
     "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
-    "run.reference", "run.rollout_threads", "run.reward_concurrency",
+    "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",
+    # deadlines and patience: how long to wait for a reward, not what it computes
+    "run.reward_timeout_s", "run.reward_max_failed_steps",
 )
 
 
@@ -148,6 +151,11 @@ class RunDir:
         self.samples.mkdir(exist_ok=True)
         write_atomic(self.config_path, yaml.safe_dump(config, sort_keys=False))
         write_atomic(self.path / LOCK_FILE, json.dumps(lock, indent=2) + "\n")
+
+    def save_runtime(self, info: dict[str, Any]) -> None:
+        """How this invocation runs (the thread policy, ...): facts of the machine, not of the run's identity;
+        rewritten by each invocation."""
+        write_atomic(self.path / RUNTIME_FILE, json.dumps(info, indent=2) + "\n")
 
     # -- metrics -------------------------------------------------------------------------------
     # One row per finished step, appended (and fsynced) as the run goes so it can be watched. Every

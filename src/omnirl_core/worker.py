@@ -84,8 +84,11 @@ class Worker:
     def setup(self) -> None:
         import torch
 
+        from omnirl_core.threads import configure
+
         r = self.resolved
         cfg = r.config
+        self.threads = configure(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
