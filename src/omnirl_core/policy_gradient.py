@@ -189,9 +189,7 @@ class FlowPolicyGradient:
         metrics["policy_loss"] = float(policy_loss.detach())
         loss = policy_loss
         if self.uses_reference:
-            # KL between the policy's and the reference's Gaussian transitions, closed form
-            ref_mean = torch.stack([u.ref_mean for u in units]).to(mean.device)
-            kl = gaussian_kl(mean, ref_mean, std).mean()
+            kl = self.transition_kl(units, mean, std, batch).mean()
             loss = loss + self.options.beta * kl
             metrics["kl"] = float(kl.detach())
         else:
@@ -199,6 +197,14 @@ class FlowPolicyGradient:
         if first_update and not self.recompute:
             metrics.update(step_diagnostics(delta))
         return loss, metrics
+
+    def transition_kl(self, units: list[Transition], mean: torch.Tensor, std: torch.Tensor,
+                      batch: TransitionBatch) -> torch.Tensor:
+        """The KL term of each transition (N,) that ``beta`` multiplies: the exact KL between the policy's and
+        the reference's Gaussian transitions (equal std), closed form. An algorithm may weigh it otherwise
+        (FlowGRPO's ``kl_convention``)."""
+        ref_mean = torch.stack([u.ref_mean for u in units]).to(mean.device)
+        return gaussian_kl(mean, ref_mean, std)
 
     def finish_minibatch(self, units: list[Transition]) -> tuple[list[Transition], dict[str, float]]:
         """After all micro-batches of a minibatch (whole samples): the sequence weights from every step of

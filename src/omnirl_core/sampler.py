@@ -56,9 +56,6 @@ def step_mean(
 
     ``sigma_max`` (B,) replaces s in the Flow-SDE denominator where s == 1 (the schedule's second sigma).
     """
-    if kind not in DETERMINISTIC and not eta > 0:
-        raise ValueError(f"the '{kind}' sampler needs a noise level eta > 0 (got {eta}): with no noise its "
-                         "transition has no density, and every log-prob would be NaN")
     x = x.float()
     v = v.float()
     s = s.float()
@@ -102,6 +99,9 @@ def transition_logprob(kind: str, x_next: torch.Tensor, mean: torch.Tensor, std:
         # unnormalised: only differences matter, the normaliser cancels in ratios
         return -mean_over_dims((x_next - mean) ** 2)
     if kind in ("sde", "dance"):
+        if not bool((std > 0).all()):
+            raise ValueError(f"the '{kind}' sampler needs a noise level eta > 0: with no noise its transition "
+                             "has no density, and every log-prob would be NaN")
         stdb = _bcast(std, x_next)
         elem = -((x_next - mean) ** 2) / (2 * stdb**2) - torch.log(stdb) - _LOG_SQRT_2PI
         return mean_over_dims(elem)

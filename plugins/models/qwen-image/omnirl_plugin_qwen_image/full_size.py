@@ -1,0 +1,154 @@
+"""The released Qwen-Image at full size, built on the ``meta`` device: every component from its published
+configuration (transformer, VAE, Qwen2.5-VL text encoder), with no weights and no memory, to count
+parameters and plan memory before anything is downloaded.
+
+A count is the number of elements of the tensors a checkpoint of the module holds (each parameter once, plus
+persistent buffers), so that it compares with a published size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+VARIANTS = ("qwen-image",)
+
+# Qwen/Qwen-Image transformer/config.json
+TRANSFORMER = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}
+# Qwen/Qwen-Image vae/config.json (the Wan-2.1 VAE architecture); latents_mean / latents_std hold no parameters
+VAE = {
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+    "temperal_downsample": [False, True, True], "dropout": 0.0,
+}
+# Qwen/Qwen-Image text_encoder/config.json = Qwen/Qwen2.5-VL-7B-Instruct config.json
+TEXT_ENCODER = {
+    "text_config": {
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+    },
+    "vision_config": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "in_channels": 3,
+    },
+    "vocab_size": 152064, "hidden_size": 3584, "tie_word_embeddings": False,
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+}
+
+
+class Published(NamedTuple):
+    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
+    ``truncated``: the figure is cut, not rounded, to that digit."""
+
+    value: float
+    resolution: float
+    source: str
+    truncated: bool = False
+
+
+PUBLISHED: dict[tuple[str, str], Published] = {
+    ("qwen-image", "transformer"): Published(
+        20e9, 1e9, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: MMDiT, 20B"),
+    ("qwen-image", "vae.encoder"): Published(
+        54e6, 1e6, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: VAE encoder, 54M"),
+    ("qwen-image", "vae.decoder"): Published(
+        73e6, 1e6, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: VAE decoder, 73M"),
+    ("qwen-image", "vae"): Published(
+        127e6, 1e6, "Wan technical report (arXiv:2503.20314), Wan-VAE: 127M (Qwen-Image's VAE has its architecture)"),
+    ("qwen-image", "text_encoder"): Published(
+        8.292e9, 1e6, "tensors of the Qwen/Qwen2.5-VL-7B-Instruct checkpoint: 8.292B in total (tally on the "
+        "huggingface.co/OpenExplorer/Qwen2.5-VL-7B-Instruct model card; the hub page shows 8.29B)"),
+    ("qwen-image", "text_encoder.text"): Published(
+        7.61e9, 1e7, "Qwen2.5-7B model card (huggingface.co/Qwen/Qwen2.5-7B): Number of Parameters 7.61B, the "
+        "same decoder and LM head"),
+    ("qwen-image", "text_encoder.visual"): Published(
+        676.6e6, 1e5, "tensors of the Qwen/Qwen2.5-VL-7B-Instruct checkpoint: ViT 676.6M (tally on the "
+        "huggingface.co/OpenExplorer/Qwen2.5-VL-7B-Instruct model card)"),
+}
+
+
+def _check(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Qwen-Image variant {variant!r}; expected one of {VARIANTS}")
+
+
+def full_size_components(variant: str = "qwen-image") -> dict[str, torch.nn.Module]:
+    """The pipeline's modules by component name, on ``meta`` (no storage): seconds, no memory."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    _check(variant)
+    with torch.device("meta"):
+        return {
+            "transformer": QwenImageTransformer2DModel(**TRANSFORMER),
+            "vae": AutoencoderKLQwenImage(**VAE),
+            "text_encoder": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**TEXT_ENCODER)),
+        }
+
+
+def checkpoint_numel(module: torch.nn.Module) -> int:
+    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in unique.values())
+
+
+def parameter_counts(variant: str = "qwen-image",
+                     components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Counts per component, and of the parts published on their own: ``vae.encoder`` / ``vae.decoder``,
+    ``text_encoder.text`` (the Qwen2.5-7B decoder with its LM head) and ``text_encoder.visual`` (the ViT and its
+    merger). ``components``: those ``full_size_components`` built (built here when None)."""
+    c = components or full_size_components(variant)
+    text_encoder = c["text_encoder"]
+    counts = {name: checkpoint_numel(module) for name, module in c.items()}
+    counts.update({
+        "vae.encoder": checkpoint_numel(c["vae"].encoder),
+        "vae.decoder": checkpoint_numel(c["vae"].decoder),
+        "text_encoder.text": checkpoint_numel(text_encoder.model.language_model) + checkpoint_numel(text_encoder.lm_head),
+        "text_encoder.visual": checkpoint_numel(text_encoder.model.visual),
+    })
+    return counts
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+TRAINED = {"qwen-image": ("transformer",)}
+"""The components training updates (the rest stays frozen)."""
+
+
+def lora_numel(module: torch.nn.Module, targets: tuple[str, ...], rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on the linear layers peft picks for ``targets`` (a module whose
+    name is a target or ends with "." + a target): rank x (in + out) each."""
+    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
+def memory_estimate(variant: str = "qwen-image", lora_rank: int | None = 64, dtype_bytes: int = 2,
+                    reference: bool = True, components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Bytes training holds besides activations, as the torch train engine holds them: every component's weights
+    (``weights/<component>``); the trainable parameters (``adapters``: LoRA of ``lora_rank`` on the plugin's default
+    targets; ``lora_rank=None``: the whole transformer, whose weights are already counted) with their
+    ``gradients`` and AdamW's two moment buffers (``optimizer``); with full fine-tuning and a KL term
+    (``reference``), a frozen copy of the transformer. Everything in the model dtype (``dtype_bytes``: 2 for
+    bfloat16, 4 for float32): peft gives adapters the base layer's dtype and AdamW keeps its states in the
+    parameter's. ``total`` sums them."""
+    from omnirl_plugin_qwen_image.model import QwenImageModel
+
+    c = components or full_size_components(variant)
+    counts = {name: checkpoint_numel(module) for name, module in c.items()}
+    trained = TRAINED[variant]
+    if lora_rank:
+        trainable = sum(lora_numel(c[name], QwenImageModel.default_lora_targets, lora_rank) for name in trained)
+        adapters, copies = trainable, 0
+    else:
+        trainable = sum(p.numel() for name in trained for p in c[name].parameters())  # buffers are not trained
+        adapters, copies = 0, sum(counts[name] for name in trained) if reference else 0
+    out = {f"weights/{name}": n * dtype_bytes for name, n in counts.items()}
+    out.update({"adapters": adapters * dtype_bytes, "gradients": trainable * dtype_bytes,
+                "optimizer": 2 * trainable * dtype_bytes, "reference": copies * dtype_bytes})
+    out["total"] = sum(out.values())
+    return out

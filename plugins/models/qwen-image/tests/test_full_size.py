@@ -1,0 +1,102 @@
+"""Qwen-Image at full size on the meta device: built in seconds with no storage, and every component's
+parameter count against its published figure."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+from omnirl_plugin_qwen_image.full_size import PUBLISHED, full_size_components, parameter_counts
+
+
+def _matches(count: int, published) -> bool:
+    """Within 1 % of the figure, or within the figure's own rounding when that is coarser (a truncated figure:
+    the count lies in [value, value + resolution))."""
+    if published.truncated:
+        return published.value <= count < published.value + published.resolution
+    return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
+
+
+@pytest.fixture(scope="module")
+def built():
+    import diffusers  # noqa: F401  (imports are not what is measured)
+    import transformers  # noqa: F401
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    components = full_size_components()
+    seconds = time.perf_counter() - start
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    return components, seconds, grown_mib
+
+
+def test_full_size_is_built_on_meta_in_seconds_without_memory(built):
+    components, seconds, grown_mib = built
+    assert set(components) == {"transformer", "vae", "text_encoder"}
+    for name, module in components.items():
+        tensors = list(module.parameters()) + list(module.buffers())
+        assert tensors and all(t.is_meta for t in tensors), name
+    assert seconds < 30, f"building took {seconds:.1f} s"
+    # 28.8 billion fp32 parameters would be 115 GB; the build may grow the process by bookkeeping only
+    assert grown_mib < 512, f"the process grew by {grown_mib:.0f} MiB"
+
+
+def test_the_architecture_is_the_released_one(built):
+    components, _, _ = built
+    transformer, text_encoder = components["transformer"], components["text_encoder"]
+    assert len(transformer.transformer_blocks) == 60 and transformer.inner_dim == 3072
+    assert text_encoder.config.text_config.num_hidden_layers == 28
+    assert text_encoder.model.visual.blocks[0].attn.qkv.weight.shape == (3 * 1280, 1280)
+    assert components["vae"].config.z_dim == 16
+
+
+@pytest.mark.parametrize("component", [c for _, c in PUBLISHED])
+def test_parameter_count_matches_the_published_figure(built, component: str):
+    count = parameter_counts(components=built[0])[component]
+    published = PUBLISHED["qwen-image", component]
+    assert _matches(count, published), (
+        f"{component}: {count:,} vs published {published.value:,.0f} ({published.source})")
+
+
+def test_counts_hold_each_tensor_once_and_persistent_buffers():
+    from omnirl_plugin_qwen_image.full_size import checkpoint_numel
+
+    with torch.device("meta"):
+        tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    tied.register_buffer("table", torch.zeros(3, device="meta"))
+    tied.register_buffer("cache", torch.zeros(5, device="meta"), persistent=False)
+    assert checkpoint_numel(tied) == 40 + 3
+
+
+def test_lora_count_is_what_peft_adds():
+    from diffusers import QwenImageTransformer2DModel
+    from omnirl_plugin_qwen_image.full_size import TRANSFORMER, lora_numel
+    from omnirl_plugin_qwen_image.model import QwenImageModel
+    from peft import LoraConfig
+
+    with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
+        transformer = QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": 2})
+    expected = lora_numel(transformer, QwenImageModel.default_lora_targets, 8)
+    transformer.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=list(QwenImageModel.default_lora_targets)))
+    assert expected == sum(p.numel() for name, p in transformer.named_parameters() if "lora_" in name) > 0
+
+
+def test_memory_estimate(built):
+    from omnirl_plugin_qwen_image.full_size import memory_estimate
+
+    counts = parameter_counts(components=built[0])
+    lora = memory_estimate(lora_rank=64, dtype_bytes=2, components=built[0])
+    assert lora["weights/transformer"] == 2 * 20_430_401_088 and lora["weights/text_encoder"] == 2 * 8_292_166_656
+    adapters = 424_673_280  # rank 64 on the default targets, as peft adds them (counted once with peft on meta)
+    assert (lora["adapters"], lora["gradients"], lora["optimizer"], lora["reference"]) == (
+        2 * adapters, 2 * adapters, 4 * adapters, 0)
+    weights = sum(counts[c] for c in ("transformer", "vae", "text_encoder"))
+    assert lora["total"] == 2 * weights + 8 * adapters  # 61.1 GB
+    full = memory_estimate(lora_rank=None, dtype_bytes=4, components=built[0])
+    transformer = counts["transformer"]
+    assert full["adapters"] == 0 and full["reference"] == 4 * transformer
+    assert full["total"] == 4 * weights + (4 + 8 + 4) * transformer  # 442 GB: fp32 AdamW on 20B does not fit one GPU
+    assert memory_estimate(lora_rank=None, reference=False, components=built[0])["reference"] == 0

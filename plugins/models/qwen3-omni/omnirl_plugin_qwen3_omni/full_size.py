@@ -1,0 +1,148 @@
+"""The released Qwen3-Omni-30B-A3B thinker at full size, built on the ``meta`` device from its published
+configuration (``thinker_config`` of Qwen/Qwen3-Omni-30B-A3B-Instruct: the MoE text decoder, the vision encoder,
+the AuT audio encoder), with no weights and no memory, to count parameters and plan memory before anything is
+downloaded. The talker and code2wav are never built by this plugin, so they are not here either.
+
+A count is the number of elements of the tensors a checkpoint of the module holds (each parameter once, plus
+persistent buffers), so that it compares with a published size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+VARIANTS = ("30b-a3b",)
+
+# thinker_config of Qwen/Qwen3-Omni-30B-A3B-Instruct config.json (the -Thinking and -Captioner thinkers are the same
+# shape)
+THINKER = {
+    "text_config": {
+        "vocab_size": 152064, "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "intermediate_size": 768,
+        "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "interleaved": True,
+                            "rope_theta": 1_000_000.0},
+    },
+    "vision_config": {
+        "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+        "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 2048, "in_channels": 3,
+        "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    },
+    "audio_config": {
+        "num_mel_bins": 128, "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120, "downsample_hidden_size": 480, "output_dim": 2048, "max_source_positions": 1500,
+        "n_window": 50, "n_window_infer": 800, "conv_chunksize": 500,
+    },
+    "audio_token_id": 151675, "audio_start_token_id": 151669, "image_token_id": 151655, "video_token_id": 151656,
+    "vision_start_token_id": 151652, "position_id_per_seconds": 13, "tie_word_embeddings": False,
+}
+
+
+class Published(NamedTuple):
+    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
+    ``truncated``: the figure is cut, not rounded, to that digit."""
+
+    value: float
+    resolution: float
+    source: str
+    truncated: bool = False
+
+
+_REPORT = "Qwen3-Omni Technical Report (arXiv:2509.17765), Table 1:"
+_QWEN3_CARD = ("Qwen3-30B-A3B model card (huggingface.co/Qwen/Qwen3-30B-A3B), whose decoder the thinker's is (same "
+               "layers, experts and widths; 152,064 vocabulary rows instead of 151,936):")
+PUBLISHED: dict[tuple[str, str], Published] = {
+    ("30b-a3b", "thinker.text"): Published(30.5e9, 1e8, f"{_QWEN3_CARD} 30.5B in total"),
+    # 3.354B by the published config: "3.3B" is the figure cut, not rounded, to one decimal
+    ("30b-a3b", "thinker.text.active"): Published(3.3e9, 1e8, f"{_QWEN3_CARD} 3.3B activated", truncated=True),
+    ("30b-a3b", "thinker.audio_tower"): Published(650e6, 1e7, f"{_REPORT} audio encoder (AuT), 650M"),
+    ("30b-a3b", "thinker.visual"): Published(540e6, 1e7, f"{_REPORT} vision encoder (SigLIP2-So400M), 540M"),
+    ("30b-a3b", "thinker"): Published(
+        32e9, 1e9, "huggingface.co model listing of Qwen/Qwen3-Omni-30B-A3B-Thinking (a thinker-only checkpoint): 32B; "
+        "the report's name for the thinker is 30B-A3B"),
+}
+
+
+def _check(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Qwen3-Omni variant {variant!r}; expected one of {VARIANTS}")
+
+
+def full_size_components(variant: str = "30b-a3b") -> dict[str, torch.nn.Module]:
+    """``{"thinker": module}`` on ``meta`` (no storage): seconds, no memory."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    _check(variant)
+    with torch.device("meta"):
+        return {"thinker": Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerConfig(**THINKER))}
+
+
+def checkpoint_numel(module: torch.nn.Module) -> int:
+    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in unique.values())
+
+
+def active_text_parameters(thinker: torch.nn.Module) -> int:
+    """Parameters of the text decoder (LM head included) one token uses: everything but the experts, plus
+    ``num_experts_per_tok`` of the ``num_experts`` experts of every MoE layer."""
+    config = thinker.config.text_config
+    decoder = thinker.model.language_model
+    experts = sum(p.numel() for name, p in decoder.named_parameters() if ".mlp.experts." in name)
+    total = checkpoint_numel(decoder) + checkpoint_numel(thinker.lm_head)
+    return total - experts + experts * config.num_experts_per_tok // config.num_experts
+
+
+def parameter_counts(variant: str = "30b-a3b", components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Counts of the thinker and of its parts: ``thinker.text`` (the MoE decoder with its LM head),
+    ``thinker.text.active`` (what one token uses), ``thinker.visual``, ``thinker.audio_tower``.
+    ``components``: those ``full_size_components`` built (built here when None)."""
+    thinker = (components or full_size_components(variant))["thinker"]
+    return {
+        "thinker": checkpoint_numel(thinker),
+        "thinker.text": checkpoint_numel(thinker.model.language_model) + checkpoint_numel(thinker.lm_head),
+        "thinker.text.active": active_text_parameters(thinker),
+        "thinker.visual": checkpoint_numel(thinker.model.visual),
+        "thinker.audio_tower": checkpoint_numel(thinker.model.audio_tower),
+    }
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+def lora_numel(module: torch.nn.Module, pattern: str, rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on the linear layers whose full name matches the regex
+    ``pattern`` (the plugin's ``default_lora_targets``): rank x (in + out) each."""
+    import re
+
+    regex = re.compile(pattern)
+    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and regex.fullmatch(name))
+
+
+def memory_estimate(variant: str = "30b-a3b", lora_rank: int | None = 32, dtype_bytes: int = 2, reference: bool = True,
+                    components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Bytes training holds besides activations, as the torch train engine holds them: the thinker's weights
+    (``weights/thinker``); the trainable parameters (``adapters``: LoRA of ``lora_rank`` on the decoder attention,
+    the plugin's default targets; ``lora_rank=None``: the thinker but its vision and audio encoders, whose weights
+    are already counted) with their ``gradients`` and AdamW's two moment buffers (``optimizer``); with full
+    fine-tuning and a KL term (``reference``), a frozen copy of the whole thinker (the policy copies the module).
+    Every expert's parameters count: all of them are held, whichever a token uses. Everything in the model dtype
+    (``dtype_bytes``: 2 for bfloat16, 4 for float32). ``total`` sums them."""
+    from omnirl_plugin_qwen3_omni.model import Qwen3OmniThinker
+
+    thinker = (components or full_size_components(variant))["thinker"]
+    total = checkpoint_numel(thinker)
+    if lora_rank:
+        trainable = lora_numel(thinker, Qwen3OmniThinker.default_lora_targets, lora_rank)
+        adapters, copies = trainable, 0
+    else:
+        frozen = {id(p) for tower in (thinker.model.visual, thinker.model.audio_tower) for p in tower.parameters()}
+        trainable = sum(p.numel() for p in thinker.parameters() if id(p) not in frozen)
+        adapters, copies = 0, total if reference else 0
+    out = {"weights/thinker": total * dtype_bytes, "adapters": adapters * dtype_bytes,
+           "gradients": trainable * dtype_bytes, "optimizer": 2 * trainable * dtype_bytes,
+           "reference": copies * dtype_bytes}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,140 @@
+"""The released Wan2.2 text-to-video models at full size, built on the ``meta`` device: every component from
+its published configuration, with no weights and no memory, to count parameters and plan memory before
+anything is downloaded.
+
+- ``a14b`` (Wan-AI/Wan2.2-T2V-A14B-Diffusers): two expert transformers (``transformer`` for high noise,
+  ``transformer_2`` for low noise) of identical shape, the Wan-2.1 VAE, the UMT5-XXL encoder.
+- ``ti2v-5b`` (Wan-AI/Wan2.2-TI2V-5B-Diffusers): one transformer, the Wan-2.2 VAE (48 channels), UMT5-XXL.
+
+A count is the number of elements of the tensors a checkpoint of the module holds (each parameter once, plus
+persistent buffers), so that it compares with a published size.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+VARIANTS = ("a14b", "ti2v-5b")
+
+_TRANSFORMER_COMMON = {
+    "patch_size": (1, 2, 2), "attention_head_dim": 128, "text_dim": 4096, "freq_dim": 256, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}
+# transformer/config.json (and transformer_2/config.json, the same) of each release
+TRANSFORMERS = {
+    "a14b": {**_TRANSFORMER_COMMON, "num_attention_heads": 40, "in_channels": 16, "out_channels": 16,
+             "ffn_dim": 13824, "num_layers": 40},
+    "ti2v-5b": {**_TRANSFORMER_COMMON, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48,
+                "ffn_dim": 14336, "num_layers": 30},
+}
+# vae/config.json (latents_mean / latents_std hold no parameters)
+VAES = {
+    "a14b": {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+             "temperal_downsample": [False, True, True]},
+    "ti2v-5b": {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+                "attn_scales": [], "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12,
+                "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4},
+}
+# text_encoder/config.json of both releases (google/umt5-xxl's encoder)
+TEXT_ENCODER = {
+    "vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+    "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "feed_forward_proj": "gated-gelu",
+    "tie_word_embeddings": False, "scalable_attention": True,
+}
+
+
+class Published(NamedTuple):
+    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
+    ``truncated``: the figure is cut, not rounded, to that digit."""
+
+    value: float
+    resolution: float
+    source: str
+    truncated: bool = False
+
+
+_WAN22_CARD = "Wan2.2 model card / README (huggingface.co/Wan-AI/Wan2.2-T2V-A14B, github.com/Wan-Video/Wan2.2)"
+PUBLISHED: dict[tuple[str, str], Published] = {
+    # "each expert model has about 14B parameters, resulting in a total of 27B parameters but only 14B active
+    # parameters per step": the per-expert figure is what a config can be held to (2 x 14.29B is 28.6B, so the
+    # 27B total is not twice the expert size)
+    ("a14b", "transformer"): Published(14e9, 1e9, f"{_WAN22_CARD}: each expert about 14B"),
+    ("a14b", "transformer_2"): Published(14e9, 1e9, f"{_WAN22_CARD}: each expert about 14B"),
+    ("a14b", "vae"): Published(127e6, 1e6, "Wan technical report (arXiv:2503.20314), Wan-VAE: 127M"),
+    ("ti2v-5b", "transformer"): Published(5e9, 1e9, f"{_WAN22_CARD}: TI2V-5B, a 5B dense model"),
+}
+
+
+def _check(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Wan2.2 variant {variant!r}; expected one of {VARIANTS}")
+
+
+def full_size_components(variant: str = "a14b") -> dict[str, torch.nn.Module]:
+    """The pipeline's modules by component name, on ``meta`` (no storage): seconds, no memory."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    _check(variant)
+    with torch.device("meta"):
+        components = {"transformer": WanTransformer3DModel(**TRANSFORMERS[variant])}
+        if variant == "a14b":
+            components["transformer_2"] = WanTransformer3DModel(**TRANSFORMERS[variant])
+        components["vae"] = AutoencoderKLWan(**VAES[variant])
+        components["text_encoder"] = UMT5EncoderModel(UMT5Config(**TEXT_ENCODER))
+    return components
+
+
+def checkpoint_numel(module: torch.nn.Module) -> int:
+    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in unique.values())
+
+
+def parameter_counts(variant: str = "a14b", components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Counts per component. ``components``: those ``full_size_components`` built (built here when None)."""
+    c = components or full_size_components(variant)
+    return {name: checkpoint_numel(module) for name, module in c.items()}
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+TRAINED = {"a14b": ("transformer", "transformer_2"), "ti2v-5b": ("transformer",)}
+"""The components training updates by default (A14B: both experts, ``train_experts: both``)."""
+
+
+def lora_numel(module: torch.nn.Module, targets: tuple[str, ...], rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters on the linear layers peft picks for ``targets`` (a module whose
+    name is a target or ends with "." + a target): rank x (in + out) each."""
+    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
+def memory_estimate(variant: str = "a14b", lora_rank: int | None = 64, dtype_bytes: int = 2, reference: bool = True,
+                    trained: tuple[str, ...] | None = None,
+                    components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
+    """Bytes training holds besides activations, as the torch train engine holds them: every component's weights
+    (``weights/<component>``, both experts of A14B); the trainable parameters (``adapters``: LoRA of ``lora_rank`` on
+    the plugin's default targets of every trained expert; ``lora_rank=None``: the trained experts whole, whose
+    weights are already counted) with their ``gradients`` and AdamW's two moment buffers (``optimizer``); with full
+    fine-tuning and a KL term (``reference``), a frozen copy of each trained expert. ``trained``: the experts
+    trained (default: ``TRAINED[variant]``). Everything in the model dtype (``dtype_bytes``: 2 for bfloat16, 4 for
+    float32): peft gives adapters the base layer's dtype and AdamW keeps its states in the parameter's. ``total``
+    sums them."""
+    from omnirl_plugin_wan22.model import Wan22Model
+
+    c = components or full_size_components(variant)
+    counts = {name: checkpoint_numel(module) for name, module in c.items()}
+    trained = trained or TRAINED[variant]
+    if lora_rank:
+        trainable = sum(lora_numel(c[name], Wan22Model.default_lora_targets, lora_rank) for name in trained)
+        adapters, copies = trainable, 0
+    else:
+        trainable = sum(p.numel() for name in trained for p in c[name].parameters())  # buffers are not trained
+        adapters, copies = 0, sum(counts[name] for name in trained) if reference else 0
+    out = {f"weights/{name}": n * dtype_bytes for name, n in counts.items()}
+    out.update({"adapters": adapters * dtype_bytes, "gradients": trainable * dtype_bytes,
+                "optimizer": 2 * trainable * dtype_bytes, "reference": copies * dtype_bytes})
+    out["total"] = sum(out.values())
+    return out
