@@ -63,7 +63,7 @@ def test_padding_sides():
 
 def test_prompt_records(tmp_path: Path):
     assert load_records(["a", {"prompt": "b", "answer": 3}]) == [{"prompt": "a"}, {"prompt": "b", "answer": 3}]
-    with pytest.raises(ConfigError, match="needs a 'prompt' key"):
+    with pytest.raises(ConfigError, match="a record needs a non-empty text 'prompt' \\(no 'prompt' key\\)"):
         load_records([{"question": "b"}])
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "p", "audio": ["x.wav", "/abs/y.wav"], "answer": "x.wav"}) + "\n")

@@ -111,6 +111,7 @@ COLUMNS = {
     "engine": ["name", "plugin", "roles", "devices", "description"],
     "reward": ["name", "plugin", "modality", "description"],
     "device": ["name", "plugin", "available", "torch_device", "backend", "ray_resource", "priority"],
+    "tracker": ["name", "plugin", "requires", "description"],
 }
 
 
@@ -190,6 +191,12 @@ def devices_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool 
     _listing("device", name, fmt, options)
 
 
+@app.command("trackers")
+def trackers_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
+    """Installed experiment trackers (train --tracker NAME)."""
+    _listing("tracker", name, fmt, options)
+
+
 # -- config and train -----------------------------------------------------------------------------
 
 def parse_reward(text: str, qualified: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
@@ -222,7 +229,7 @@ def _is_number(text: str) -> bool:
 
 
 def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed,
-                 executor=None, ray_address=None, qualified=frozenset()) -> list[dict]:
+                 executor=None, ray_address=None, qualified=frozenset(), trackers=None) -> list[dict]:
     from omnirl_core.config import load_recipe, parse_set
 
     layers = []
@@ -250,6 +257,8 @@ def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, st
         run["executor"] = executor
     if ray_address:
         run["ray_address"] = ray_address
+    if trackers:
+        run["trackers"] = [{"name": t} for t in trackers]
     if run:
         flags["run"] = run
     layers.append(flags)
@@ -264,6 +273,8 @@ PresetOpt = typer.Option(None, "--preset", help="Model preset, e.g. 'tiny' (rand
 RewardOpt = typer.Option(None, "--reward", "-r", help="NAME[:WEIGHT], repeatable.")
 RecipeOpt = typer.Option(None, "--recipe", help="Recipe YAML.")
 SetOpt = typer.Option(None, "--set", help="KEY=VALUE override, repeatable (e.g. train.lr=3e-4).")
+TrackerOpt = typer.Option(None, "--tracker", help="Experiment tracker (tensorboard, wandb, ...), repeatable; "
+                          "options with --set run.trackers.N.options.KEY=VALUE.")
 
 
 @config_app.command("show")
@@ -313,6 +324,7 @@ def train(
     ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor "
                                               "ray); default: start a local Ray instance."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device."),
+    tracker: list[str] | None = TrackerOpt,
 ) -> None:
     """Train a model with an algorithm and rewards."""
     from omnirl_core.resolve import resolve_run
@@ -321,8 +333,11 @@ def train(
     manager = _manager()
     layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
                           executor, ray_address,
-                          qualified={s.qualified_name for s in manager.registries["reward"]})
+                          qualified={s.qualified_name for s in manager.registries["reward"]}, trackers=tracker)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
+    from omnirl_core.trackers import resolve_trackers
+
+    resolve_trackers(manager, resolved.config, resolved)  # unknown trackers and bad options fail here
     cfg = resolved.config
     run_path = _run_dir(resolved, bool(output_dir))
     dump = resolved.dump()
@@ -332,6 +347,15 @@ def train(
     if one_sided:
         _err(f"note: the run in '{run_path}' was saved by a version with other options; resuming with:\n"
              + "\n".join(f"  {d}" for d in one_sided[:10]))
+    from omnirl_core.data import NoPromptsError, open_run_data
+
+    try:
+        data = open_run_data(resolved)  # the prompts are opened and checked before anything is written
+    except NoPromptsError as err:
+        if not dry_run:
+            raise
+        _err(f"warning: {err.render()}")  # the plan is shown; the run itself would stop here
+        data = None
     if dry_run:
         plan = {
             "run_dir": str(run_path),
@@ -345,16 +369,19 @@ def train(
             "executor": cfg.run.executor,
             "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
             "steps": cfg.run.steps,
+            "data": data.summary() if data is not None else "none (set data.prompts)",
+            "trackers": [t.name for t in cfg.run.trackers],
+            "eval_every": cfg.run.eval_every,
             "config": dump,
         }
         typer.echo(yaml.safe_dump(plan, sort_keys=False))
         return
     resuming = run_dir.claim(dump, resolved.lock(manager))
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
-    _train(resolved, run_path)
+    _train(resolved, run_path, data)
 
 
-def _train(resolved, run_path: Path) -> None:
+def _train(resolved, run_path: Path, data=None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from omnirl_core.controller import Controller
@@ -376,7 +403,7 @@ def _train(resolved, run_path: Path) -> None:
                 f"{record['time/step_s']:.2f}s/step")
         progress.update(task, completed=record["step"], info=info)
 
-    controller = Controller(resolved, run_path, on_step=on_step)
+    controller = Controller(resolved, run_path, on_step=on_step, data=data)
     try:
         with progress:
             progress.update(task, completed=controller.start_step - 1)
@@ -391,6 +418,190 @@ def _train(resolved, run_path: Path) -> None:
         last = records[-1]
         _err(f"omnirl: done: {summary['steps']} steps, last reward/mean {last['reward/mean']:.4f}; "
              f"run directory {run_path}")
+
+
+# -- evaluate, sample, report -------------------------------------------------------------------------
+
+def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager):
+    """The resolved config of what eval / sample load: a run directory's config (flags and --set on top), or
+    a model given by flags (the base model unless --lora)."""
+    from omnirl_core.evaluation import default_algorithm, run_layers
+    from omnirl_core.resolve import resolve_run
+
+    if run_dir is None and not model and not recipe:
+        raise UsageError("Nothing to load: give a run directory or --model.",
+                         hint="Example: omnirl eval runs/my-run --compare base, or omnirl eval --model qwen-image "
+                         "--preset tiny --prompts builtin:colors")
+    layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, device, None,
+                          qualified={s.qualified_name for s in manager.registries["reward"]})
+    if run_dir is not None:
+        layers.insert(0, run_layers(Path(run_dir)))
+    elif not algo:
+        name = model or next((layer.get("model", {}).get("name") for layer in layers if layer.get("model")), None)
+        if name:
+            layers.insert(0, {"algorithm": {"name": default_algorithm(manager, name)}})
+    return resolve_run(manager, layers, probe_device=True)
+
+
+def _weights(run_dir, checkpoint, lora, base):
+    from omnirl_core.evaluation import find_checkpoint
+
+    if sum(bool(x) for x in (checkpoint, lora, base)) > 1:
+        raise UsageError("Give one of --checkpoint, --lora and --base.", hint="They name the weights to load.")
+    if base:
+        return None
+    if lora:
+        if not Path(lora).is_dir():
+            raise UsageError(f"LoRA directory '{lora}' not found.",
+                             hint="Pass a directory with pytorch_lora_weights.safetensors.")
+        return Path(lora)
+    return find_checkpoint(Path(run_dir) if run_dir else None, checkpoint)
+
+
+PromptOpt = typer.Option(None, "--prompt", "-p", help="A prompt, repeatable.")
+RunDirArg = typer.Argument(None, help="A run directory: its config, and its latest checkpoint unless told otherwise.")
+CheckpointOpt = typer.Option(None, "--checkpoint", help="A checkpoint: step-N or N of the run, or a directory.")
+LoraOpt = typer.Option(None, "--lora", help="A LoRA directory (pytorch_lora_weights.safetensors) to load.")
+BaseOpt = typer.Option(False, "--base", help="The base model (no trained weights).")
+
+
+@app.command("eval")
+def eval_cmd(
+    run_dir: str | None = RunDirArg,
+    checkpoint: str | None = CheckpointOpt,
+    lora: str | None = LoraOpt,
+    base: bool = BaseOpt,
+    compare: str | None = typer.Option(None, "--compare", help="'base': evaluate the base model too, side by side, "
+                                       "with the difference and its paired standard error."),
+    model: str | None = ModelOpt,
+    algo: str | None = AlgoOpt,
+    preset: str | None = PresetOpt,
+    reward: list[str] | None = RewardOpt,
+    recipe: str | None = RecipeOpt,
+    overrides: list[str] | None = SetOpt,
+    prompts: str | None = typer.Option(None, "--prompts", help="Prompt source (file, builtin:NAME, hf:NAME, ...); "
+                                       "default: the run's data."),
+    split: str = typer.Option("test", "--split", help="test (held out; all of --prompts if it has no split), train "
+                              "or all."),
+    samples: int = typer.Option(4, "--samples", min=1, help="Samples per prompt (fixed seeds)."),
+    max_prompts: int | None = typer.Option(None, "--max-prompts", min=1, help="Evaluate on the first N prompts."),
+    seed: int = typer.Option(0, "--seed", help="Evaluation seed (the same seed, the same initial noise)."),
+    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
+    output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Where eval/step-N/ goes; default: "
+                                          "the run directory (runs/eval-<model>-<time> without one)."),
+    fmt: str = FormatOpt,
+) -> None:
+    """Evaluate a model on held-out prompts: fixed seeds, the deterministic (ODE) sampler, every reward."""
+    from omnirl_core import evaluation as ev
+
+    _check_format(fmt)
+    if compare not in (None, "base"):
+        raise UsageError(f"Unknown --compare '{compare}'.", hint="Use --compare base.")
+    manager = _manager()
+    resolved = _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager)
+    weights = _weights(run_dir, checkpoint, lora, base)
+    if compare and weights is None:
+        raise UsageError("--compare base needs trained weights to compare with.",
+                         hint="Give a run directory (or --checkpoint / --lora).")
+    records, described = ev.eval_records(resolved, prompts, split, max_prompts)
+    cfg = resolved.config
+    _err(f"omnirl: evaluating on {described}, {samples} sample(s) each, ODE sampler, {cfg.rollout.num_steps} steps, "
+         f"CFG {cfg.rollout.guidance_scale:g}")
+    evaluator = ev.Evaluator(resolved)
+    results = []
+    if weights is None or compare == "base":
+        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "base"))
+    if weights is not None:
+        evaluator.load(weights)
+        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "trained"))
+    comparison = ev.compare(results[0], results[1]) if len(results) == 2 else None
+    step = ev.checkpoint_step(weights)
+    if output_dir:
+        root = Path(output_dir)
+    elif run_dir:
+        root = Path(run_dir)
+    else:
+        root = Path("runs") / f"eval-{resolved.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"step-{step:06d}" if weights is None or step or checkpoint else f"lora-{weights.name}"
+    settings = {"step": step, "checkpoint": str(weights) if weights else None, "during_training": False,
+                "prompts": described, "samples_per_prompt": samples, "seed": seed, "sampler": "ode",
+                "num_steps": cfg.rollout.num_steps, "guidance_scale": cfg.rollout.guidance_scale,
+                "rewards": [f"{e.name} x{e.weight:g}" for e in cfg.rewards]}
+    path = ev.write_results(root / "eval" / name, results, settings, comparison, samples)
+    if fmt == "json":
+        typer.echo(path.read_text())
+    else:
+        _print_eval(results, comparison)
+    _err(f"omnirl: results in {path}")
+
+
+def _print_eval(results, comparison) -> None:
+    rows = []
+    summaries = {r.label: r.summary() for r in results}
+    for metric in results[0].metrics:
+        row = {"metric": metric}
+        for r in results:
+            s = summaries[r.label][metric]
+            row[r.label] = f"{s['mean']:.4f} ± {s['se']:.4f}  (n={s['n']})"
+        if comparison is not None:
+            c = comparison[metric]
+            row["trained - base"] = f"{c['diff']:+.4f} ± {c['se']:.4f}"
+            row["z"] = f"{c['z']:+.1f}"
+        rows.append(row)
+    columns = ["metric", *[r.label for r in results]]
+    if comparison is not None:
+        columns += ["trained - base", "z"]
+    _print_table(rows, columns)
+
+
+@app.command("sample")
+def sample_cmd(
+    run_dir: str | None = RunDirArg,
+    out: str = typer.Option(..., "--out", help="Folder for the outputs (PNG, GIF for video, TXT for text)."),
+    prompt: list[str] | None = PromptOpt,
+    prompts: str | None = typer.Option(None, "--prompts", help="Prompt source (file, builtin:NAME, hf:NAME, ...)."),
+    split: str = typer.Option("all", "--split", help="With --prompts: test, train or all."),
+    checkpoint: str | None = CheckpointOpt,
+    lora: str | None = LoraOpt,
+    base: bool = BaseOpt,
+    model: str | None = ModelOpt,
+    algo: str | None = AlgoOpt,
+    preset: str | None = PresetOpt,
+    recipe: str | None = RecipeOpt,
+    overrides: list[str] | None = SetOpt,
+    samples: int = typer.Option(1, "--samples", min=1, help="Samples per prompt."),
+    seed: int = typer.Option(0, "--seed", help="Seed (the same seed, the same initial noise)."),
+    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
+) -> None:
+    """Generate from a model (a run's checkpoint, a LoRA or the base) for a list of prompts into a folder."""
+    from omnirl_core.evaluation import Evaluator, eval_records, eval_requests, save_samples
+
+    manager = _manager()
+    resolved = _model_for(run_dir, model, algo, preset, None, recipe, overrides, device, manager)
+    weights = _weights(run_dir, checkpoint, lora, base)
+    records = [{"prompt": p} for p in prompt or []]
+    if prompts is not None:
+        records += eval_records(resolved, prompts, split, None)[0]
+    if not records:
+        raise UsageError("No prompts.", hint="Give --prompt TEXT (repeatable) or --prompts SOURCE.")
+    evaluator = Evaluator(resolved, score=False)
+    if weights is not None:
+        evaluator.load(weights)
+    outputs = evaluator.generate(eval_requests(records, resolved.config, samples, seed), score=False)
+    rows = save_samples(outputs, Path(out))
+    _err(f"omnirl: {len(rows)} sample(s) from {weights or 'the base model'} in {out} (index: samples.jsonl)")
+
+
+@app.command("report")
+def report_cmd(
+    run_dir: str = typer.Argument(..., help="A run directory."),
+    out: str | None = typer.Option(None, "--out", help="HTML file to write; default: RUN_DIR/report.html."),
+) -> None:
+    """One self-contained HTML page about a run: reward, eval, KL, clip-fraction and timing curves, sample grids."""
+    from omnirl_core.report import write_report
+
+    path = write_report(Path(run_dir), Path(out) if out else None)
+    _err(f"omnirl: report written to {path}")
 
 
 def _saved_steps(run_path: Path) -> str:

@@ -101,11 +101,32 @@ class RewardEntry(Section):
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the reward plugin.")
 
 
+class TrackerEntry(Section):
+    name: str = Field(..., description="Tracker component name, e.g. 'tensorboard' or 'wandb' (see `omnirl trackers`).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the tracker plugin.")
+
+
 class DataSection(Section):
-    prompts: str | list[str] | None = Field(
-        None, description="A .txt (one per line) or .jsonl ({'prompt': ...}) file, or a list; None takes the "
-        "first reward's suggested prompts."
+    prompts: str | list[str | dict[str, Any]] | None = Field(
+        None, description="Training prompts: a .txt (one per line), .jsonl, .json, .csv/.tsv or .parquet file, a "
+        "saved Hugging Face dataset directory, hf:NAME (datasets.load_dataset), builtin:NAME (a shipped set: "
+        "colors, text, counting, composition) or a list; None takes the first reward's suggested prompts."
     )
+    test_prompts: str | list[str | dict[str, Any]] | None = Field(
+        None, description="Held-out prompts (any source data.prompts takes); None: the test split of "
+        "data.prompts, if it has one."
+    )
+    prompt_column: str = Field("prompt", min_length=1, description="The column (record key) holding the prompt.")
+    split_column: str = Field("split", min_length=1, description="A column naming each record's split; records "
+                              "with it are split by its value (data.train_split / data.test_split).")
+    train_split: str = Field("train", description="Name of the training split (a dataset's split or a value of "
+                             "the split column).")
+    test_split: str = Field("test", description="Name of the held-out split (a dataset's split or a value of the "
+                            "split column).")
+    test_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the distinct prompts as "
+                                 "the test split (chosen with data.split_seed) when the data has no split; 0: none.")
+    split_seed: int = Field(0, description="Seed of the data.test_fraction split (the same seed, the same split).")
+    dataset_config: str | None = Field(None, description="Configuration name for hf:NAME datasets.")
 
 
 class RunSection(Section):
@@ -168,6 +189,19 @@ class RunSection(Section):
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
     sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
     log_every: int = Field(1, ge=1, description="Progress update every N steps.")
+    trackers: list[TrackerEntry] = Field(
+        default_factory=list, description="Experiment trackers that receive every step's metrics and sample grids "
+        "(metrics.jsonl is always written); a failing tracker is logged, never fails the run."
+    )
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate on the test split every N steps (and at the last step): the ODE sampler, "
+        "fixed seeds, every reward; logged as eval/* in the step's metrics row. None: off."
+    )
+    eval_prompts: int | None = Field(
+        32, ge=1, description="During training, evaluate on the first N test prompts (None: all of them)."
+    )
+    eval_samples: int = Field(2, ge=1, description="Samples per test prompt in an evaluation during training "
+                              "(seeds fixed for the whole run).")
 
 
 class RunConfig(Section):

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from omnirl_core.correction import FallbackMonitor
-from omnirl_core.data import PromptSampler, load_records
-from omnirl_core.errors import ConfigError
+from omnirl_core.data import PromptData, PromptSampler, open_run_data
 from omnirl_core.executors import make_executor
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.interrupts import StopSignals
-from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.rewards import RewardHealth
+from omnirl_core.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
 from omnirl_core.tracking import RunDir
 
 log = logging.getLogger("omnirl")
@@ -44,28 +43,25 @@ def summarise_rewards(samples: list[Sample], names: list[str]) -> dict[str, floa
 
 
 class Controller:
-    def __init__(self, resolved: ResolvedRun, run_dir: Path, on_step: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, resolved: ResolvedRun, run_dir: Path, on_step: Callable[[dict[str, Any]], None] | None = None,
+                 data: PromptData | None = None):
         self.resolved = resolved
         self.cfg = resolved.config
         self.run_dir = RunDir(run_dir)
         self.on_step = on_step
         self.algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), self.cfg)
         self.executor = make_executor(resolved)
-        self.records = self._records()
+        self.data = data if data is not None else open_run_data(resolved)
+        self.records = self.data.train
         self.prompts = PromptSampler([r["prompt"] for r in self.records], self.cfg.run.seed)
         self.start_step = 1
         self.fallback = FallbackMonitor(self.cfg.train.rs_fallback, self.cfg.train.rs_fallback_steps)
         self.reward_health = RewardHealth(self.cfg.run.reward_max_failed_steps)
+        self.trackers = TrackerSet([])
+        if self.cfg.run.trackers:
+            from omnirl_core.plugins import get_plugin_manager
 
-    def _records(self) -> list[dict[str, Any]]:
-        source = self.cfg.data.prompts
-        if source is None:
-            for spec in self.resolved.rewards:
-                if spec.default_prompts is not None:
-                    return load_records(list(load_object(spec.default_prompts)))
-            raise ConfigError("No prompts: set data.prompts (a .txt/.jsonl file or a list).",
-                              hint="Example: --set data.prompts=prompts.txt")
-        return load_records(source)
+            self.trackers = TrackerSet(resolve_trackers(get_plugin_manager(), self.cfg))
 
     def requests(self, step: int) -> list[GenRequest]:
         cfg = self.cfg
@@ -162,11 +158,47 @@ class Controller:
             "time/step_s": collect_s + t3 - t1,
             "images_per_s": len(samples) / max(reward_metrics.get("time/rollout_s", collect_s), 1e-9),
         })
-        last = step == cfg.run.steps
-        if step % cfg.run.sample_every == 0 or step == 1 or last:
+        if self.grid_due(step):
             self.run_dir.save_grid(step, [s.output for s in samples], [s.prompt for s in samples],
                                    columns=cfg.rollout.group_size, rewards=[s.reward for s in samples])
         return record
+
+    def grid_due(self, step: int) -> bool:
+        return step % self.cfg.run.sample_every == 0 or step == 1 or step == self.cfg.run.steps
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return every is not None and (step % every == 0 or step == self.cfg.run.steps)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The held-out evaluation after step ``step``'s update (``omnirl_core.evaluation``): the first
+        ``run.eval_prompts`` test prompts, ``run.eval_samples`` fixed seeds each, the ODE sampler; returns
+        its ``eval/*`` metrics and writes ``eval/step-N/``."""
+        from omnirl_core.evaluation import evaluate, write_results
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        records = (self.data.test or [])[:cfg.run.eval_prompts]
+        result = evaluate(lambda requests: self.executor.rollout(requests)[0], records, cfg, cfg.run.eval_samples,
+                          cfg.run.seed, label="trained")
+        settings = {"step": step, "checkpoint": None, "during_training": True, "prompts": self.data.source,
+                    "test_prompts": len(records), "samples_per_prompt": cfg.run.eval_samples, "seed": cfg.run.seed,
+                    "sampler": "ode", "num_steps": cfg.rollout.num_steps,
+                    "guidance_scale": cfg.rollout.guidance_scale}
+        write_results(self.run_dir.path / "eval" / f"step-{step:06d}", [result], settings,
+                      samples_per_prompt=cfg.run.eval_samples)
+        return {**result.flat(), "time/eval_s": time.perf_counter() - t0}
+
+    def _images(self, step: int) -> dict[str, Path]:
+        """The PNGs this step saved, for trackers."""
+        images = {}
+        grid = self.run_dir.samples / f"step-{step:06d}.png"
+        if self.grid_due(step) and grid.is_file():
+            images["samples"] = grid
+        evaluated = self.run_dir.path / "eval" / f"step-{step:06d}" / "trained.png"
+        if self.eval_due(step) and evaluated.is_file():
+            images["eval/samples"] = evaluated
+        return images
 
     def train_step(self, step: int) -> dict[str, Any]:
         samples, reward_metrics = self.collect(step)
@@ -181,11 +213,15 @@ class Controller:
         try:
             with signals.installed():
                 self.setup()
+                if self.trackers:
+                    self.trackers.start(TrackerRun(self.run_dir.path, self.run_dir.path.name, self.resolved.dump(),
+                                                   self.start_step))
                 self._steps(signals)
         finally:
             try:
                 self.run_dir.plot_rewards()
             finally:
+                self.trackers.close()
                 self.executor.close()
                 self.run_dir.unlock()
         return {"steps": cfg.run.steps, "run_dir": str(self.run_dir.path)}
@@ -200,11 +236,16 @@ class Controller:
                 with signals.deferred():
                     in_update = True
                     record = self.learn(step, samples, reward_metrics)
+                    if self.eval_due(step):  # in the row before it is written: a resume truncates both alike
+                        record.update(self.evaluate(step))
                     self.run_dir.append_metrics(record)
                     completed, in_update = step, False
                     if step % cfg.run.save_every == 0 or step == cfg.run.steps or signals.pending:
                         self.checkpoint(step)
                         last_saved = step
+                if self.trackers:
+                    self.trackers.log(step_event(step, record, samples, [e.name for e in cfg.rewards],
+                                                 self._images(step)))
                 if self.on_step:
                     self.on_step(record)
                 signals.raise_pending()

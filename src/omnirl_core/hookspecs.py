@@ -56,5 +56,13 @@ def omnirl_register_devices(register: Register) -> None:
     device type, the distributed backend, the Ray resource name and the visible-devices variable."""
 
 
-KINDS = ("model", "algorithm", "engine", "reward", "device")
+@hookspec
+def omnirl_register_trackers(register: Register) -> None:
+    """Register experiment trackers: ``register(TrackerSpec(...))``. A tracker's factory takes its validated
+    options and returns an object with ``start(run)``, ``log(event)`` and ``close()`` (see
+    ``omnirl_core.trackers``); it receives every step's metrics row after the row is written, and the sample
+    grids. A tracker that fails is logged and never fails the run."""
+
+
+KINDS = ("model", "algorithm", "engine", "reward", "device", "tracker")
 HOOK_FOR_KIND = {kind: f"omnirl_register_{kind}s" for kind in KINDS}

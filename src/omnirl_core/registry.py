@@ -168,8 +168,21 @@ class DeviceSpec(ComponentSpec):
         }
 
 
+@dataclass
+class TrackerSpec(ComponentSpec):
+    """An experiment tracker (TensorBoard, W&B, ...). ``factory(options)`` returns the tracker; see
+    ``omnirl_core.trackers`` for what it is called with."""
+
+    kind: ClassVar[str] = "tracker"
+    requires: tuple[str, ...] = ()
+    """Python packages the tracker imports when it starts (named in errors and listings)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "requires": list(self.requires)}
+
+
 SPEC_FOR_KIND: dict[str, type[ComponentSpec]] = {
-    cls.kind: cls for cls in (ModelSpec, AlgorithmSpec, EngineSpec, RewardSpec, DeviceSpec)
+    cls.kind: cls for cls in (ModelSpec, AlgorithmSpec, EngineSpec, RewardSpec, DeviceSpec, TrackerSpec)
 }
 
 

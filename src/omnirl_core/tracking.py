@@ -29,6 +29,8 @@ RUN_IDENTITY_IGNORES = (
     "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",
     # deadlines and patience: how long to wait for a reward, not what it computes
     "run.reward_timeout_s", "run.reward_max_failed_steps",
+    # what watches a run, not what it computes: trackers and the evaluation cadence may change on a resume
+    "run.trackers", "run.eval_every",
 )
 
 

@@ -1,0 +1,64 @@
+"""TensorBoard through ``torch.utils.tensorboard`` (the tensorboard package writes the event files).
+
+Steps are the run's step numbers. A resumed run opens its writer with ``purge_step`` = the first step it
+computes: TensorBoard's readers then drop whatever an earlier attempt logged at or after that step, so a
+step that is redone after a resume shows once, with the values of the run that was kept.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnirl_core.trackers import StepEvent, TrackerRun
+
+
+class TensorBoardOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    log_dir: str | None = Field(None, description="Event file directory; None: RUN_DIR/tensorboard.")
+    images: bool = Field(True, description="Log the sample grids (and evaluation grids) as images.")
+    histograms: bool = Field(True, description="Log each step's per-sample rewards as histograms.")
+
+
+class TensorBoardTracker:
+    def __init__(self, options: TensorBoardOptions | None = None):
+        self.options = options or TensorBoardOptions()
+        self.writer: Any = None
+
+    def start(self, run: TrackerRun) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        log_dir = Path(self.options.log_dir) if self.options.log_dir else run.run_dir / "tensorboard"
+        self.writer = SummaryWriter(str(log_dir), purge_step=run.start_step)
+        self.writer.add_text("config", "```\n" + _yaml(run.config) + "\n```", global_step=run.start_step)
+
+    def log(self, event: StepEvent) -> None:
+        import numpy as np
+        from PIL import Image
+
+        for key, value in event.metrics.items():
+            self.writer.add_scalar(key, value, event.step)
+        if self.options.images:
+            for tag, path in event.images.items():
+                with Image.open(path) as image:
+                    self.writer.add_image(tag, np.asarray(image.convert("RGB")), event.step, dataformats="HWC")
+        if self.options.histograms:
+            for tag, values in event.histograms.items():
+                finite = [v for v in values if math.isfinite(v)]
+                if finite:
+                    self.writer.add_histogram(tag, np.asarray(finite, dtype=np.float64), event.step)
+        self.writer.flush()  # watchable while the run goes on, and little is lost if it is killed
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _yaml(config: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(config, sort_keys=False)

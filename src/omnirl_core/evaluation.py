@@ -1,0 +1,347 @@
+"""Evaluation: a model on held-out prompts, with fixed seeds and the deterministic sampler, scored by every
+reward of the run.
+
+Every denoising step is an ODE (Euler) step, so a sample depends only on the weights, the prompt and its
+seed; CFG is as the run configures it (``rollout.guidance_scale``). Seeds come from (eval seed, prompt text,
+sample number), so two models evaluated on the same prompts see the very same initial noise and their
+scores pair up sample by sample: ``compare`` reports the mean difference with its paired standard error.
+An autoregressive model samples with its engine's settings and the same fixed seeds.
+
+Used by ``omnirl eval`` (base model, a checkpoint, or a LoRA directory) and by the controller during training
+(``run.eval_every``: the test split, logged as ``eval/*`` in the step's metrics row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omnirl_core.checkpoint import write_atomic
+from omnirl_core.errors import UsageError
+from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+
+TOTAL = "reward"
+"""The weighted sum of the rewards (what training maximises), beside each reward by name."""
+GRID_PROMPTS = 16
+"""Prompts shown in an evaluation's image grid (one row each)."""
+
+
+def ode_plan(num_steps: int) -> RolloutPlan:
+    """The deterministic sampler: every step an ODE step, none trained."""
+    return RolloutPlan(step_kinds=("ode",) * num_steps, train_steps=())
+
+
+def eval_seed(seed: int, prompt: str, k: int) -> int:
+    """The seed of sample ``k`` of ``prompt``: the same whatever the model, the prompt's position or batch."""
+    digest = hashlib.sha256(f"omnirl-eval:{seed}:{k}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**62)
+
+
+def eval_requests(records: list[dict[str, Any]], cfg: Any, samples_per_prompt: int, seed: int) -> list[GenRequest]:
+    plan = ode_plan(cfg.rollout.num_steps)
+    out = []
+    for i, record in enumerate(records):
+        for k in range(samples_per_prompt):
+            s = eval_seed(seed, record["prompt"], k)
+            out.append(GenRequest(
+                uid=i * samples_per_prompt + k, prompt=record["prompt"], prompt_index=i, group=i, seed=s,
+                height=cfg.rollout.height, width=cfg.rollout.width, num_frames=cfg.rollout.num_frames,
+                guidance_scale=cfg.rollout.guidance_scale, plan=plan, noise_seed=s,
+                inputs={k2: v for k2, v in record.items() if k2 != "prompt"},
+            ))
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    n = len(values)
+    if not n:
+        return {"mean": float("nan"), "std": float("nan"), "se": float("nan"), "n": 0}
+    std = statistics.stdev(values) if n > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std, "se": std / math.sqrt(n), "n": n}
+
+
+@dataclass
+class EvalResult:
+    """One model's scores: a row per sample (prompt, sample number, seed, every reward and the total)."""
+
+    label: str
+    metrics: list[str]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+
+    def values(self, metric: str) -> list[float]:
+        return [r[metric] for r in self.rows if metric in r and math.isfinite(r[metric])]
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {m: _stats(self.values(m)) for m in self.metrics}
+
+    def per_prompt(self) -> list[dict[str, Any]]:
+        prompts: dict[str, list[dict[str, Any]]] = {}
+        for row in self.rows:
+            prompts.setdefault(row["prompt"], []).append(row)
+        out = []
+        for prompt, rows in prompts.items():
+            entry: dict[str, Any] = {"prompt": prompt, "samples": len(rows)}
+            for m in self.metrics:
+                values = [r[m] for r in rows if m in r and math.isfinite(r[m])]
+                entry[m] = statistics.fmean(values) if values else float("nan")
+            out.append(entry)
+        return out
+
+    def flat(self, prefix: str = "eval/") -> dict[str, float]:
+        """Metrics-row keys: ``eval/reward/mean``, ``eval/reward/std``, ``eval/reward/se``, ``eval/reward/<name>``,
+        ``eval/reward/<name>/se``."""
+        summary = self.summary()
+        out = {f"{prefix}reward/mean": summary[TOTAL]["mean"], f"{prefix}reward/std": summary[TOTAL]["std"],
+               f"{prefix}reward/se": summary[TOTAL]["se"]}
+        for m in self.metrics:
+            if m != TOTAL:
+                out[f"{prefix}reward/{m}"] = summary[m]["mean"]
+                out[f"{prefix}reward/{m}/se"] = summary[m]["se"]
+        return out
+
+
+def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int, int]) -> list[dict[str, Any]]:
+    rows = []
+    for s in sorted(samples, key=lambda s: s.request.uid):
+        row: dict[str, Any] = {"prompt": s.prompt, "sample": seeds_k[s.request.uid], "seed": s.request.seed}
+        for name in reward_names:
+            if name in s.rewards:
+                row[name] = float(s.rewards[name])
+        if s.rewards:
+            row[TOTAL] = float(s.reward)
+        rows.append(row)
+    return rows
+
+
+def evaluate(generate: Callable[[list[GenRequest]], list[Sample]], records: list[dict[str, Any]], cfg: Any,
+             samples_per_prompt: int, seed: int, label: str) -> EvalResult:
+    """``generate(requests)`` returns the scored samples (a run's executor, or ``Evaluator``)."""
+    if not records:
+        raise UsageError("No prompts to evaluate on.", hint="Give held-out prompts (data.test_prompts, --prompts).")
+    requests = eval_requests(records, cfg, samples_per_prompt, seed)
+    samples = sorted(generate(requests), key=lambda s: s.request.uid)
+    names = [e.name for e in cfg.rewards]
+    result = EvalResult(label=label, metrics=[TOTAL, *names])
+    result.rows = score_rows(samples, names, {r.uid: r.uid % samples_per_prompt for r in requests})
+    result.outputs = [s.output for s in samples]
+    return result
+
+
+def compare(base: EvalResult, other: EvalResult) -> dict[str, dict[str, float]]:
+    """``other`` minus ``base`` per metric, paired by (prompt, seed): mean difference, its standard error over
+    the pairs (``se``) and over per-prompt mean differences (``se_prompt``, which allows for samples of one
+    prompt moving together), and z = mean / se."""
+    out = {}
+    for m in base.metrics:
+        a = {(r["prompt"], r["seed"]): r[m] for r in base.rows if m in r and math.isfinite(r[m])}
+        b = {(r["prompt"], r["seed"]): r[m] for r in other.rows if m in r and math.isfinite(r[m])}
+        keys = sorted(a.keys() & b.keys())
+        diffs = [b[k] - a[k] for k in keys]
+        stats = _stats(diffs)
+        by_prompt: dict[str, list[float]] = {}
+        for k, d in zip(keys, diffs):
+            by_prompt.setdefault(k[0], []).append(d)
+        prompt_stats = _stats([statistics.fmean(v) for v in by_prompt.values()])
+        z = stats["mean"] / stats["se"] if stats["n"] > 1 and stats["se"] > 0 else float("nan")
+        out[m] = {"base": _stats(list(a.values()))["mean"], "other": _stats(list(b.values()))["mean"],
+                  "diff": stats["mean"], "se": stats["se"], "se_prompt": prompt_stats["se"], "z": z,
+                  "pairs": stats["n"]}
+    return out
+
+
+def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | None:
+    """The first GRID_PROMPTS prompts, one row each (PNG; a JSONL file for text outputs)."""
+    from omnirl_core.visual import image_grid
+
+    count = min(len(result.outputs), GRID_PROMPTS * samples_per_prompt)
+    outputs, rows = result.outputs[:count], result.rows[:count]
+    if not outputs:
+        return None
+    if all(isinstance(o, str) for o in outputs):
+        path = path.with_suffix(".jsonl")
+        write_atomic(path, "".join(json.dumps({"prompt": r["prompt"], "seed": r["seed"], "output": o,
+                                               "reward": r.get(TOTAL)}, ensure_ascii=False) + "\n"
+                                   for r, o in zip(rows, outputs)))
+        return path
+    import io
+
+    buffer = io.BytesIO()
+    image_grid(outputs, [r["prompt"] for r in rows], samples_per_prompt).save(buffer, format="PNG")
+    write_atomic(path, buffer.getvalue())
+    return path
+
+
+def write_results(directory: Path, results: list[EvalResult], settings: dict[str, Any],
+                  comparison: dict[str, dict[str, float]] | None = None, samples_per_prompt: int = 1) -> Path:
+    """``directory/results.json`` (settings, each model's summary and per-prompt means, every sample's scores,
+    the comparison) and ``directory/<label>.png`` grids."""
+    directory.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for result in results:
+        grid = _grid(result, samples_per_prompt, directory / f"{result.label}.png")
+        models[result.label] = {"summary": result.summary(), "per_prompt": result.per_prompt(), "samples": result.rows,
+                                "grid": grid.name if grid else None}
+    data = {**settings, "models": models}
+    if comparison is not None:
+        data["compare"] = comparison
+    path = directory / "results.json"
+    write_atomic(path, json.dumps(data, indent=2, allow_nan=True) + "\n")
+    return path
+
+
+class Evaluator:
+    """A model to evaluate or sample from, outside a training run: one rollout worker (LoRA layout as the run
+    trained it) whose weights are the base model's until ``load`` puts a checkpoint's or a LoRA's in."""
+
+    def __init__(self, resolved: Any, score: bool = True):
+        from omnirl_core.worker import Worker
+
+        self.resolved = resolved
+        self.worker = Worker(resolved, {"rollout"})
+        self.worker.setup()
+        self.rewards = None
+        if score:
+            from omnirl_core.executors import build_rewards
+
+            self.rewards = build_rewards(resolved)
+        self.loaded: str = "base"
+
+    def load(self, directory: Path) -> None:
+        """Trained weights from a checkpoint (verified against its checksums) or a LoRA directory."""
+        from omnirl_core.checkpoint import CHECKSUMS, verify
+
+        if (directory / CHECKSUMS).is_file():
+            verify(directory)
+        try:
+            self.worker.model.load_trained(directory)
+        except FileNotFoundError as exc:
+            raise UsageError(f"'{directory}' holds no trained weights this model reads ({exc}).",
+                             hint="Pass a checkpoint directory (checkpoints/step-N) or a LoRA directory with "
+                             "pytorch_lora_weights.safetensors.") from None
+        except (ValueError, RuntimeError) as exc:
+            raise UsageError(f"The weights in '{directory}' do not fit this model: {str(exc)[:300]}",
+                             hint="Evaluate with the model, preset and LoRA settings the weights were trained "
+                             "with (a run directory's config.yaml has them).") from None
+        self.loaded = str(directory)
+
+    def generate(self, requests: list[GenRequest], score: bool = True) -> list[Sample]:
+        samples = list(self.worker.generate(requests))
+        if score and self.rewards is not None:
+            self.rewards.score(samples)
+        return samples
+
+
+# -- what the eval and sample commands evaluate --------------------------------------------------------
+
+def run_layers(run_dir: Path) -> dict[str, Any]:
+    """A run directory's saved config as the lowest config layer (flags and --set go above it)."""
+    from omnirl_core.tracking import RunDir
+
+    saved = RunDir(run_dir).saved_config()
+    if saved is None:
+        raise UsageError(f"'{run_dir}' is not an omnirl run directory (no config.yaml).",
+                         hint="Pass the --output-dir of a training run, or evaluate a base model with --model.")
+    saved.get("run", {}).pop("output_dir", None)
+    saved.get("run", {}).pop("trackers", None)  # evaluating watches nothing
+    saved.get("run", {}).pop("eval_every", None)
+    return saved
+
+
+def default_algorithm(manager: Any, model_name: str) -> str:
+    """An algorithm that fits the model, to complete a config that only evaluates or samples (neither uses it)."""
+    model = manager.resolve("model", model_name)
+    fitting = [a.qualified_name for a in manager.registries["algorithm"] if a.requires <= model.capabilities]
+    if not fitting:
+        raise UsageError(f"No installed algorithm works with model '{model.name}'.",
+                         hint="Pass --algo NAME (see `omnirl algos`).")
+    return fitting[0]
+
+
+def find_checkpoint(run_dir: Path | None, checkpoint: str | None) -> Path | None:
+    """``--checkpoint``: a path, ``step-N`` or ``N`` (in the run's checkpoints/); None: the run's latest."""
+    from omnirl_core.checkpoint import checkpoints, latest_checkpoint
+
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if path.is_dir():
+            return path
+        if run_dir is not None:
+            wanted = checkpoint.removeprefix("step-")
+            for step, found in checkpoints(run_dir):
+                if wanted.isdigit() and int(wanted) == step:
+                    return found
+        saved = [p.name for _, p in checkpoints(run_dir)] if run_dir is not None else []
+        raise UsageError(f"Checkpoint '{checkpoint}' not found.",
+                         hint=f"Checkpoints of the run: {', '.join(saved) or 'none'}; or pass a directory.")
+    if run_dir is None:
+        return None
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise UsageError(f"Run directory '{run_dir}' has no checkpoint yet.",
+                         hint="Evaluate the base model with --base, or train first.")
+    return latest
+
+
+def checkpoint_step(path: Path | None) -> int:
+    from omnirl_core.checkpoint import STEP_DIR
+
+    match = STEP_DIR.fullmatch(path.name) if path is not None else None
+    return int(match.group(1)) if match else 0
+
+
+def eval_records(resolved: Any, prompts: str | None, split: str, max_prompts: int | None) -> tuple[list[dict], str]:
+    """The prompts to evaluate on and a description. ``split``: ``test`` (the held-out split; all of
+    ``prompts`` when that source has none), ``train`` or ``all``."""
+    from omnirl_core.data import open_run_data
+
+    cfg = resolved.config
+    if prompts is not None:
+        cfg.data.prompts = prompts
+        cfg.data.test_prompts = None
+    data = open_run_data(resolved)
+    if split == "train":
+        records = data.train
+    elif split == "all":
+        records = data.train + (data.test or [])
+    elif split == "test":
+        if data.test is None and prompts is None:
+            raise UsageError(f"The run's prompts ({data.source}) have no test split to evaluate on.",
+                             hint="Pass held-out prompts with --prompts SOURCE (e.g. --prompts builtin:colors takes "
+                             "its test split), or --split train to evaluate on the training prompts.")
+        records = data.test if data.test is not None else data.train
+    else:
+        raise UsageError(f"Unknown --split '{split}'.", hint="Use --split test, train or all.")
+    if max_prompts is not None:
+        records = records[:max_prompts]
+    part = split if split != "test" or data.test is not None else "all"
+    return records, f"{data.source} ({part}: {len(records)} prompts)"
+
+
+def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
+    """Each output in its own file: PNG (image), GIF (video frames), TXT (text); returns the index rows."""
+    from omnirl_core.visual import is_video, to_pil
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, s in enumerate(sorted(samples, key=lambda s: s.request.uid)):
+        stem = out / f"{n:04d}"
+        if isinstance(s.output, str):
+            path = stem.with_suffix(".txt")
+            write_atomic(path, s.output + "\n")
+        elif is_video(s.output):
+            path = stem.with_suffix(".gif")
+            frames = [to_pil(s.output[:, f], min_side=1) for f in range(s.output.shape[1])]
+            frames[0].save(path, save_all=True, append_images=frames[1:], duration=125, loop=0)
+        else:
+            path = stem.with_suffix(".png")
+            to_pil(s.output, min_side=1).save(path)
+        rows.append({"file": path.name, "prompt": s.prompt, "seed": s.request.seed})
+    write_atomic(out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return rows
