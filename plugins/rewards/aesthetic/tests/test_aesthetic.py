@@ -1,0 +1,169 @@
+"""Aesthetic predictor: no package ships it (the release is a script + a .pth), so the reference is the
+released recipe written out here: CLIP image features of the PIL image (CLIPProcessor + get_image_features),
+L2-normalised in numpy as the script's ``normalized``, into the published MLP layout built in this file.
+Plus the one-time .pth -> safetensors conversion, loading errors, HF_HUB_OFFLINE and a training run."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omnirl_plugin_aesthetic.convert import convert
+from omnirl_plugin_aesthetic.reward import MLP_FILE, AestheticOptions, AestheticScore, tiny_directory
+from omnirl_plugin_clipscore.clip import to_uint8
+from PIL import Image
+from safetensors.torch import load_file
+from torch import nn
+from transformers import CLIPModel, CLIPProcessor
+
+from omnirl_core.errors import UsageError
+
+
+def published_mlp(input_size: int) -> nn.Module:
+    """simple_inference.py's MLP.layers (christophschuhmann/improved-aesthetic-predictor)."""
+    layers = nn.Sequential(
+        nn.Linear(input_size, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+    )
+    holder = nn.Module()
+    holder.layers = layers
+    return holder
+
+
+def normalized(a: np.ndarray, axis: int = -1, order: int = 2) -> np.ndarray:
+    l2 = np.atleast_1d(np.linalg.norm(a, order, axis))
+    l2[l2 == 0] = 1
+    return a / np.expand_dims(l2, axis)
+
+
+def reference_scores(clip_dir: Path, mlp: nn.Module, outputs: list[torch.Tensor]) -> np.ndarray:
+    processor = CLIPProcessor.from_pretrained(str(clip_dir), use_fast=False)  # the PIL pipeline, as `clip`
+    model = CLIPModel.from_pretrained(str(clip_dir)).eval()
+    pil = [Image.fromarray(to_uint8(x).permute(1, 2, 0).numpy()) for x in outputs]
+    with torch.no_grad():
+        features = model.get_image_features(**processor(images=pil, return_tensors="pt"))
+        features = getattr(features, "pooler_output", features)
+        emb = normalized(features.numpy())
+        return mlp.eval().layers(torch.from_numpy(emb).float()).squeeze(-1).numpy()
+
+
+def _images(h: int, w: int, n: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(3, h, w, generator=g) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path]:
+    """A random head in the published layout, saved as the release is (a .pth state dict), converted."""
+    directory = tmp_path_factory.mktemp("head")
+    torch.manual_seed(3)
+    mlp = published_mlp(16)
+    torch.save(mlp.state_dict(), directory / "head.pth")
+    return mlp, convert(directory / "head.pth", directory / "head.safetensors")
+
+
+@pytest.mark.parametrize("size", [(32, 32), (50, 40)])
+def test_scores_equal_the_released_recipe(converted: tuple[nn.Module, Path], size: tuple[int, int]):
+    mlp, head = converted
+    clip_dir = tiny_directory()
+    reward = AestheticScore(AestheticOptions(clip_path=str(clip_dir), mlp_path=str(head), device="cpu"))
+    outputs = _images(*size)
+    got = np.asarray(reward(outputs, ["ignored"] * len(outputs)))
+    expected = reference_scores(clip_dir, mlp, outputs)
+    assert np.abs(got - expected).max() <= 1e-5, (got, expected)
+    assert len(set(np.round(got, 6))) == len(outputs)
+
+
+def test_conversion_keeps_the_tensors_and_refuses_other_layouts(converted: tuple[nn.Module, Path],
+                                                                 tmp_path: Path):
+    mlp, head = converted
+    saved = load_file(str(head))
+    assert set(saved) == set(mlp.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in mlp.state_dict().items())
+    torch.save({"layers.0.weight": torch.zeros(4, 4)}, tmp_path / "other.pth")
+    with pytest.raises(UsageError, match="not an aesthetic predictor head"):
+        convert(tmp_path / "other.pth", tmp_path / "other.safetensors")
+    assert not (tmp_path / "other.safetensors").exists()
+
+
+def test_tiny_preset_and_contract():
+    reward = AestheticScore(AestheticOptions(preset="tiny", device="cpu"))
+    directory = tiny_directory()
+    assert (directory / MLP_FILE).is_file() and (directory / "model.safetensors").is_file()
+    assert CLIPModel.from_pretrained(str(directory)).config.vision_config.hidden_act == "quick_gelu"
+    from omnirl_core.testing import check_reward
+
+    scores = check_reward(reward, _images(32, 32, n=3), ["a", "b", "c"])
+    assert reward(_images(32, 32, n=3), ["x", "y", "z"]) == scores  # the prompt plays no part
+
+
+def test_missing_head_and_pickles_are_refused_with_the_conversion_command(tmp_path: Path):
+    with pytest.raises(UsageError) as err:
+        AestheticScore(AestheticOptions(device="cpu"))
+    assert "mlp_path is not set" in err.value.message
+    assert "python -m omnirl_plugin_aesthetic.convert" in err.value.render()
+    torch.save(published_mlp(16).state_dict(), tmp_path / "head.pth")
+    with pytest.raises(UsageError, match="not a .safetensors file") as err:
+        AestheticScore(AestheticOptions(mlp_path=str(tmp_path / "head.pth"), device="cpu"))
+    assert "python -m omnirl_plugin_aesthetic.convert" in err.value.render()
+
+
+def test_missing_clip_files(tmp_path: Path, converted: tuple[nn.Module, Path]):
+    with pytest.raises(UsageError) as err:
+        AestheticScore(AestheticOptions(clip_path=str(tmp_path), mlp_path=str(converted[1]), device="cpu"))
+    assert "config.json, model.safetensors, preprocessor_config.json" in err.value.message
+    assert f"Put them in {tmp_path}" in err.value.render() and "clip_path" in err.value.render()
+
+
+OFFLINE_DRIVER = """
+import socket, sys
+calls = []
+def refuse(*args, **kwargs):
+    calls.append(repr(args))
+    raise OSError("network access refused by the test")
+socket.getaddrinfo = socket.create_connection = socket.socket.connect = refuse
+from omnirl_core.errors import UsageError
+from omnirl_plugin_aesthetic.reward import AestheticOptions, AestheticScore
+try:
+    AestheticScore(AestheticOptions(mlp_path=sys.argv[1], device="cpu"))
+except UsageError as exc:
+    print(exc.render())
+print("NETWORK CALLS:", calls)
+"""
+
+
+def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Path]):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", OFFLINE_DRIVER, str(converted[1])], capture_output=True,
+                         text=True, env=env, timeout=300, check=True).stdout
+    assert "NETWORK CALLS: []" in out, out
+    assert "missing for 'openai/clip-vit-large-patch14'" in out and "HF_HUB_OFFLINE=1 is set" in out
+
+
+def rise(run: Path) -> tuple[float, float, float]:
+    means = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first, last = means[:10], means[-10:]
+    se = (statistics.variance(first) / 10 + statistics.variance(last) / 10) ** 0.5
+    return statistics.fmean(first), statistics.fmean(last), se
+
+
+@pytest.mark.slow
+def test_tiny_training_run_raises_the_reward(tmp_path: Path):
+    run = tmp_path / "run"
+    exe = Path(sys.executable).with_name("omnirl")
+    proc = subprocess.run(
+        [str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
+         "--reward", "aesthetic", "--set", "rewards.0.options.preset=tiny", "--set", "rewards.0.options.device=cpu",
+         "--steps", "60", "--output-dir", str(run)],
+        capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last, se = rise(run)
+    print(f"aesthetic: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
+    assert last - first >= 2 * se, (first, last, se)
