@@ -8,9 +8,9 @@ persistent buffers), so that it compares with a published size.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from omnirl_core.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
 
 VARIANTS = ("qwen-image",)
 
@@ -40,16 +40,6 @@ TEXT_ENCODER = {
     "vocab_size": 152064, "hidden_size": 3584, "tie_word_embeddings": False,
     "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
 }
-
-
-class Published(NamedTuple):
-    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
-    ``truncated``: the figure is cut, not rounded, to that digit."""
-
-    value: float
-    resolution: float
-    source: str
-    truncated: bool = False
 
 
 PUBLISHED: dict[tuple[str, str], Published] = {
@@ -92,12 +82,6 @@ def full_size_components(variant: str = "qwen-image") -> dict[str, torch.nn.Modu
         }
 
 
-def checkpoint_numel(module: torch.nn.Module) -> int:
-    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
-    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
-    return sum(t.numel() for t in unique.values())
-
-
 def parameter_counts(variant: str = "qwen-image",
                      components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
     """Counts per component, and of the parts published on their own: ``vae.encoder`` / ``vae.decoder``,
@@ -120,11 +104,6 @@ TRAINED = {"qwen-image": ("transformer",)}
 """The components training updates (the rest stays frozen)."""
 
 
-def lora_numel(module: torch.nn.Module, targets: tuple[str, ...], rank: int) -> int:
-    """Parameters of rank-``rank`` LoRA adapters on the linear layers peft picks for ``targets`` (a module whose
-    name is a target or ends with "." + a target): rank x (in + out) each."""
-    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
 def memory_estimate(variant: str = "qwen-image", lora_rank: int | None = 64, dtype_bytes: int = 2,
@@ -141,14 +120,6 @@ def memory_estimate(variant: str = "qwen-image", lora_rank: int | None = 64, dty
     c = components or full_size_components(variant)
     counts = {name: checkpoint_numel(module) for name, module in c.items()}
     trained = TRAINED[variant]
-    if lora_rank:
-        trainable = sum(lora_numel(c[name], QwenImageModel.default_lora_targets, lora_rank) for name in trained)
-        adapters, copies = trainable, 0
-    else:
-        trainable = sum(p.numel() for name in trained for p in c[name].parameters())  # buffers are not trained
-        adapters, copies = 0, sum(counts[name] for name in trained) if reference else 0
-    out = {f"weights/{name}": n * dtype_bytes for name, n in counts.items()}
-    out.update({"adapters": adapters * dtype_bytes, "gradients": trainable * dtype_bytes,
-                "optimizer": 2 * trainable * dtype_bytes, "reference": copies * dtype_bytes})
-    out["total"] = sum(out.values())
-    return out
+    trainable = trainable_numel([c[name] for name in trained], QwenImageModel.default_lora_targets, lora_rank)
+    copies = sum(counts[name] for name in trained) if reference and not lora_rank else 0
+    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)

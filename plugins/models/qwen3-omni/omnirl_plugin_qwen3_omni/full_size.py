@@ -9,9 +9,9 @@ persistent buffers), so that it compares with a published size.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from omnirl_core.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
 
 VARIANTS = ("30b-a3b",)
 
@@ -39,16 +39,6 @@ THINKER = {
     "audio_token_id": 151675, "audio_start_token_id": 151669, "image_token_id": 151655, "video_token_id": 151656,
     "vision_start_token_id": 151652, "position_id_per_seconds": 13, "tie_word_embeddings": False,
 }
-
-
-class Published(NamedTuple):
-    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
-    ``truncated``: the figure is cut, not rounded, to that digit."""
-
-    value: float
-    resolution: float
-    source: str
-    truncated: bool = False
 
 
 _REPORT = "Qwen3-Omni Technical Report (arXiv:2509.17765), Table 1:"
@@ -80,12 +70,6 @@ def full_size_components(variant: str = "30b-a3b") -> dict[str, torch.nn.Module]
         return {"thinker": Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerConfig(**THINKER))}
 
 
-def checkpoint_numel(module: torch.nn.Module) -> int:
-    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
-    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
-    return sum(t.numel() for t in unique.values())
-
-
 def active_text_parameters(thinker: torch.nn.Module) -> int:
     """Parameters of the text decoder (LM head included) one token uses: everything but the experts, plus
     ``num_experts_per_tok`` of the ``num_experts`` experts of every MoE layer."""
@@ -111,14 +95,6 @@ def parameter_counts(variant: str = "30b-a3b", components: dict[str, torch.nn.Mo
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
-def lora_numel(module: torch.nn.Module, pattern: str, rank: int) -> int:
-    """Parameters of rank-``rank`` LoRA adapters on the linear layers whose full name matches the regex
-    ``pattern`` (the plugin's ``default_lora_targets``): rank x (in + out) each."""
-    import re
-
-    regex = re.compile(pattern)
-    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and regex.fullmatch(name))
 
 
 def memory_estimate(variant: str = "30b-a3b", lora_rank: int | None = 32, dtype_bytes: int = 2, reference: bool = True,
@@ -134,15 +110,7 @@ def memory_estimate(variant: str = "30b-a3b", lora_rank: int | None = 32, dtype_
 
     thinker = (components or full_size_components(variant))["thinker"]
     total = checkpoint_numel(thinker)
-    if lora_rank:
-        trainable = lora_numel(thinker, Qwen3OmniThinker.default_lora_targets, lora_rank)
-        adapters, copies = trainable, 0
-    else:
-        frozen = {id(p) for tower in (thinker.model.visual, thinker.model.audio_tower) for p in tower.parameters()}
-        trainable = sum(p.numel() for p in thinker.parameters() if id(p) not in frozen)
-        adapters, copies = 0, total if reference else 0
-    out = {"weights/thinker": total * dtype_bytes, "adapters": adapters * dtype_bytes,
-           "gradients": trainable * dtype_bytes, "optimizer": 2 * trainable * dtype_bytes,
-           "reference": copies * dtype_bytes}
-    out["total"] = sum(out.values())
-    return out
+    trainable = trainable_numel([thinker], Qwen3OmniThinker.default_lora_targets, lora_rank,
+                                skip=(thinker.model.visual, thinker.model.audio_tower))
+    copies = total if reference and not lora_rank else 0
+    return training_bytes({"thinker": total}, trainable, trainable if lora_rank else 0, copies, dtype_bytes)

@@ -60,10 +60,12 @@ def test_lora_count_is_what_the_plugin_adapts(built):
     import re
 
     import torch
-    from omnirl_plugin_qwen3_omni.full_size import THINKER, lora_numel
+    from omnirl_plugin_qwen3_omni.full_size import THINKER
     from omnirl_plugin_qwen3_omni.model import Qwen3OmniThinker
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+
+    from omnirl_core.sizing import lora_numel
 
     config = {**THINKER, "text_config": {**THINKER["text_config"], "num_hidden_layers": 2}}
     with torch.device("meta"):

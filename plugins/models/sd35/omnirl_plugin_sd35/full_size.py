@@ -11,9 +11,9 @@ checkpoint and in Stability's parameter figures.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from omnirl_core.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
 
 VARIANTS = ("medium", "large")
 
@@ -42,16 +42,6 @@ VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlo
        "up_block_types": ("UpDecoderBlock2D",) * 4, "block_out_channels": (128, 256, 512, 512), "layers_per_block": 2,
        "latent_channels": 16, "norm_num_groups": 32, "sample_size": 1024, "scaling_factor": 1.5305,
        "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False}
-
-
-class Published(NamedTuple):
-    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
-    ``truncated``: the figure is cut, not rounded, to that digit."""
-
-    value: float
-    resolution: float
-    source: str
-    truncated: bool = False
 
 
 _OPENCLIP = "OpenCLIP docs/model_profile.csv (github.com/mlfoundations/open_clip), text_mparams of"
@@ -95,12 +85,6 @@ def full_size_components(variant: str = "medium") -> dict[str, torch.nn.Module]:
         }
 
 
-def checkpoint_numel(module: torch.nn.Module) -> int:
-    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
-    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
-    return sum(t.numel() for t in unique.values())
-
-
 def parameter_counts(variant: str = "medium", components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
     """Counts per component. ``components``: those ``full_size_components`` built (built here when None)."""
     c = components or full_size_components(variant)
@@ -112,11 +96,6 @@ TRAINED = ("transformer",)
 """The components training updates (the rest stays frozen)."""
 
 
-def lora_numel(module: torch.nn.Module, targets: tuple[str, ...], rank: int) -> int:
-    """Parameters of rank-``rank`` LoRA adapters on the linear layers peft picks for ``targets`` (a module whose
-    name is a target or ends with "." + a target): rank x (in + out) each."""
-    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
 
 def memory_estimate(variant: str = "medium", lora_rank: int | None = 64, dtype_bytes: int = 2, reference: bool = True,
@@ -134,14 +113,6 @@ def memory_estimate(variant: str = "medium", lora_rank: int | None = 64, dtype_b
     if not use_t5:
         c.pop("text_encoder_3")
     counts = {name: checkpoint_numel(module) for name, module in c.items()}
-    if lora_rank:
-        trainable = sum(lora_numel(c[name], SD35Model.default_lora_targets, lora_rank) for name in TRAINED)
-        adapters, copies = trainable, 0
-    else:
-        trainable = sum(p.numel() for name in TRAINED for p in c[name].parameters())  # buffers are not trained
-        adapters, copies = 0, sum(counts[name] for name in TRAINED) if reference else 0
-    out = {f"weights/{name}": n * dtype_bytes for name, n in counts.items()}
-    out.update({"adapters": adapters * dtype_bytes, "gradients": trainable * dtype_bytes,
-                "optimizer": 2 * trainable * dtype_bytes, "reference": copies * dtype_bytes})
-    out["total"] = sum(out.values())
-    return out
+    trainable = trainable_numel([c[name] for name in TRAINED], SD35Model.default_lora_targets, lora_rank)
+    copies = sum(counts[name] for name in TRAINED) if reference and not lora_rank else 0
+    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)

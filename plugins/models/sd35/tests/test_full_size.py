@@ -66,9 +66,11 @@ def test_parameter_count_matches_the_published_figure(built, variant: str, compo
 def test_lora_count_is_what_peft_adds(variant: str):
     import torch
     from diffusers import SD3Transformer2DModel
-    from omnirl_plugin_sd35.full_size import TRANSFORMERS, lora_numel
+    from omnirl_plugin_sd35.full_size import TRANSFORMERS
     from omnirl_plugin_sd35.model import SD35Model
     from peft import LoraConfig
+
+    from omnirl_core.sizing import lora_numel
 
     config = {**TRANSFORMERS[variant], "num_layers": 3}  # full width, three blocks (Medium: two MMDiT-X blocks)
     config["dual_attention_layers"] = config["dual_attention_layers"][:2]

@@ -72,9 +72,11 @@ def test_unknown_variant_is_refused():
 def test_lora_count_is_what_peft_adds():
     import torch
     from diffusers import WanTransformer3DModel
-    from omnirl_plugin_wan22.full_size import TRANSFORMERS, lora_numel
+    from omnirl_plugin_wan22.full_size import TRANSFORMERS
     from omnirl_plugin_wan22.model import Wan22Model
     from peft import LoraConfig
+
+    from omnirl_core.sizing import lora_numel
 
     with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
         transformer = WanTransformer3DModel(**{**TRANSFORMERS["a14b"], "num_layers": 2})

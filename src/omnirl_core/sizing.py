@@ -1,0 +1,66 @@
+"""Sizes of full-size models built on the ``meta`` device (no storage): parameter counts and the memory
+training holds besides activations. Model plugins build their published architectures (``full_size.py``)
+and call these; the arithmetic lives here once."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+
+class Published(NamedTuple):
+    """A published parameter count: ``value`` as stated, to ``resolution`` (the unit of its last digit);
+    ``truncated``: the figure is cut, not rounded, to that digit."""
+
+    value: float
+    resolution: float
+    source: str
+    truncated: bool = False
+
+
+def checkpoint_numel(module: Any) -> int:
+    """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
+    unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in unique.values())
+
+
+def lora_numel(module: Any, targets: tuple[str, ...] | str, rank: int) -> int:
+    """Parameters of rank-``rank`` LoRA adapters, rank x (in + out) per adapted linear layer. ``targets``: names
+    (a module whose name is one or ends with "." + one, as peft picks them) or one regex matched against the
+    whole module name."""
+    import torch
+
+    if isinstance(targets, str):
+        regex = re.compile(targets)
+        picked = regex.fullmatch
+    else:
+        def picked(name: str) -> bool:
+            return any(name == t or name.endswith("." + t) for t in targets)
+    return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
+               if isinstance(m, torch.nn.Linear) and picked(name))
+
+
+def training_bytes(weights: dict[str, int], trainable: int, adapters: int, reference: int,
+                   dtype_bytes: int) -> dict[str, int]:
+    """What the torch train engine holds besides activations, in bytes: every component's weights
+    (``weights/<name>``), the LoRA ``adapters`` (0 in full fine-tuning, whose weights are counted already), the
+    ``gradients`` of the ``trainable`` parameters and AdamW's two moment buffers (``optimizer``), and a frozen
+    ``reference`` copy (full fine-tuning with a KL term). Everything in the model dtype: peft gives adapters the
+    base layer's dtype and AdamW keeps its states in the parameter's. ``total`` sums them."""
+    out = {f"weights/{name}": n * dtype_bytes for name, n in weights.items()}
+    out.update({"adapters": adapters * dtype_bytes, "gradients": trainable * dtype_bytes,
+                "optimizer": 2 * trainable * dtype_bytes, "reference": reference * dtype_bytes})
+    out["total"] = sum(out.values())
+    return out
+
+
+def trainable_numel(modules: Iterable[Any], lora_targets: tuple[str, ...] | str, lora_rank: int | None,
+                    skip: Iterable[Any] = ()) -> int:
+    """Parameters training updates in ``modules``: their LoRA adapters, or (``lora_rank`` None) every parameter
+    but those of the ``skip`` modules (frozen towers). Buffers are never trained."""
+    modules = list(modules)
+    if lora_rank:
+        return sum(lora_numel(m, lora_targets, lora_rank) for m in modules)
+    frozen = {id(p) for tower in skip for p in tower.parameters()}
+    return sum(p.numel() for m in modules for p in m.parameters() if id(p) not in frozen)
