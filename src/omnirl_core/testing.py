@@ -110,3 +110,38 @@ def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, An
                             timeout=timeout, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def reward_rise(run_dir: Any, key: str = "reward/mean", window: int = 10) -> tuple[float, float, float]:
+    """(mean of the first ``window`` steps, mean of the last ``window``, standard error of their difference)
+    of a metric in a run directory's metrics.jsonl."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    values = [json.loads(line)[key] for line in lines]
+    first, last = values[:window], values[-window:]
+    se = (statistics.variance(first) / window + statistics.variance(last) / window) ** 0.5
+    return statistics.fmean(first), statistics.fmean(last), se
+
+
+def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model: str = "qwen-image",
+                       algo: str = "flowgrpo") -> tuple[float, float, float]:
+    """A reward plugin's end-to-end check: ``omnirl train`` on the model's tiny preset with ``--reward reward``
+    (``args``: more flags, e.g. ``--set rewards.0.options.preset=tiny``) for ``steps`` steps, through the real
+    CLI; the mean reward of the last 10 steps must exceed the first 10's by at least 2 standard errors."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("omnirl")
+    proc = subprocess.run([str(exe), "train", "--model", model, "--algo", algo, "--preset", "tiny",
+                           "--reward", reward, "--steps", str(steps), "--output-dir", str(run_dir), *args],
+                          capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last, se = reward_rise(run_dir)
+    print(f"{reward}: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
+    assert last - first >= 2 * se, (first, last, se)
+    return first, last, se

@@ -5,9 +5,7 @@ Plus the one-time .pth -> safetensors conversion, loading errors, HF_HUB_OFFLINE
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +22,7 @@ from torch import nn
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.testing import check_reward_rises
 
 
 def published_mlp(input_size: int) -> nn.Module:
@@ -147,23 +146,7 @@ def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Pa
     assert "missing for 'openai/clip-vit-large-patch14'" in out and "HF_HUB_OFFLINE=1 is set" in out
 
 
-def rise(run: Path) -> tuple[float, float, float]:
-    means = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    first, last = means[:10], means[-10:]
-    se = (statistics.variance(first) / 10 + statistics.variance(last) / 10) ** 0.5
-    return statistics.fmean(first), statistics.fmean(last), se
-
-
 @pytest.mark.slow
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
-    run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
-         "--reward", "aesthetic", "--set", "rewards.0.options.preset=tiny", "--set", "rewards.0.options.device=cpu",
-         "--steps", "60", "--output-dir", str(run)],
-        capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, last, se = rise(run)
-    print(f"aesthetic: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
-    assert last - first >= 2 * se, (first, last, se)
+    check_reward_rises(tmp_path / "run", "aesthetic", 60, "--set", "rewards.0.options.preset=tiny",
+                       "--set", "rewards.0.options.device=cpu")

@@ -4,9 +4,7 @@ errors; HF_HUB_OFFLINE; a tiny training run that raises the reward."""
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ from PIL import Image
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.testing import check_reward_rises
 
 PROMPTS = ["a red apple on a table", "a blue car", "a red apple on a table"]
 
@@ -152,24 +151,7 @@ def test_entry_module_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def rise(run: Path) -> tuple[float, float, float]:
-    """(first-10 mean, last-10 mean, standard error of their difference) of reward/mean."""
-    means = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    first, last = means[:10], means[-10:]
-    se = (statistics.variance(first) / 10 + statistics.variance(last) / 10) ** 0.5
-    return statistics.fmean(first), statistics.fmean(last), se
-
-
 @pytest.mark.slow
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
-    run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
-         "--reward", "clipscore", "--set", "rewards.0.options.preset=tiny", "--set", "rewards.0.options.device=cpu",
-         "--steps", "60", "--output-dir", str(run)],
-        capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, last, se = rise(run)
-    print(f"clipscore: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
-    assert last - first >= 2 * se, (first, last, se)
+    check_reward_rises(tmp_path / "run", "clipscore", 60, "--set", "rewards.0.options.preset=tiny",
+                       "--set", "rewards.0.options.device=cpu")

@@ -4,9 +4,7 @@ layout; loading errors; HF_HUB_OFFLINE; a tiny training run that raises the rewa
 
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ from PIL import Image
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.testing import check_reward_rises
 
 
 @pytest.fixture(scope="module")
@@ -119,23 +118,7 @@ def test_hf_hub_offline_never_touches_the_network():
     assert "hf download yuvalkirstain/PickScore_v1 --local-dir DIR" in out
 
 
-def rise(run: Path) -> tuple[float, float, float]:
-    means = [json.loads(line)["reward/mean"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    first, last = means[:10], means[-10:]
-    se = (statistics.variance(first) / 10 + statistics.variance(last) / 10) ** 0.5
-    return statistics.fmean(first), statistics.fmean(last), se
-
-
 @pytest.mark.slow
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
-    run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
-         "--reward", "pickscore", "--set", "rewards.0.options.preset=tiny", "--set", "rewards.0.options.device=cpu",
-         "--steps", "100", "--output-dir", str(run)],
-        capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, last, se = rise(run)
-    print(f"pickscore: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
-    assert last - first >= 2 * se, (first, last, se)
+    check_reward_rises(tmp_path / "run", "pickscore", 100, "--set", "rewards.0.options.preset=tiny",
+                       "--set", "rewards.0.options.device=cpu")
