@@ -145,7 +145,10 @@ def test_bypass_mask_uses_every_step_of_a_sample_even_across_micro_batches(tmp_p
     assert progressive["rs/rejected_frac"] == pytest.approx(at_once["rs/rejected_frac"])
     assert 0 < at_once["rs/rejected_frac"] < 1
     a, b = _trained(actor), _trained(twin)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    # AdamW's first step moves a weight by up to lr, so a wrong mask shows as differences of order lr; float
+    # rounding of micro-batch 1 vs one micro-batch of all units, which AdamW's normalisation scales up where a
+    # gradient is tiny, stays near 1e-5 (1.4e-5 seen): the bound sits between the two, at lr / 100
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-2 * cfg.lr
 
 
 def test_bypass_falls_back_to_recompute_when_rejections_persist_and_resume_keeps_it(tmp_path):

@@ -104,7 +104,7 @@ class TokenPolicyGradient:
         samples = [u.sample for u in units]
         params = [s.extras["sampling"] for s in samples]
         if untruncated:
-            params = [dataclasses.replace(p, top_k=0, top_p=1.0) for p in params]
+            params = [dataclasses.replace(p, top_k=0, top_p=1.0) if dataclasses.is_dataclass(p) else p for p in params]
         return model.token_logprobs([s.extras["prompt"] for s in samples], [completion_tokens(s) for s in samples],
                                     params)
 
