@@ -7,8 +7,8 @@ controllers run side by side in this process, one step each in turn, so machine 
 each gets warm-up steps first. Reported per algorithm: seconds per step (rollout, train, total), model
 calls per sample in the rollout and the training units (transitions, pairs or noise draws) per step.
 
-    /work/venv/bin/python benchmarks/algorithm_step_time.py              # about 4 minutes on 2 quiet cores
-    /work/venv/bin/python benchmarks/algorithm_step_time.py --steps 2 --warmup 1   # a quick check
+    python benchmarks/algorithm_step_time.py              # about 4 minutes on 2 quiet cores
+    python benchmarks/algorithm_step_time.py --steps 2 --warmup 1   # a quick check
 
 Writes benchmarks/results/algorithm_step_time.json and prints a table.
 """

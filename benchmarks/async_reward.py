@@ -1,6 +1,6 @@
 """Async streaming reward vs sync reward, side by side in one run (alternating steps).
 
-    /work/venv/bin/python benchmarks/async_reward.py [--steps 2] [--quick]
+    python benchmarks/async_reward.py [--steps 2] [--quick]
 
 (a) ``ocr``: the real OCR reward (RapidOCR on CPU) on the same 2 cores as the rollout.
 (b) ``vlm-judge``: a stand-in judge with the OpenAI-compatible chat-completions API, served on this machine

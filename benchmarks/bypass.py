@@ -1,6 +1,6 @@
 """Rollout correction: recompute vs bypass old log-probs, side by side in one run (alternating steps).
 
-    /work/venv/bin/python benchmarks/bypass.py [--steps 3]
+    python benchmarks/bypass.py [--steps 3]
 
 Tiny Qwen-Image preset with FlowGRPO (its defaults: 4 prompts x 8 samples, 6 steps, 5 trained). Per mode:
 step and train time, the |delta logp| between trainer and rollout (mean / max over trained steps), the IS

@@ -1,6 +1,6 @@
 """Overhead of the Ray executor vs inline on the same tiny run.
 
-    /work/venv/bin/python benchmarks/ray_overhead.py [--steps 4]
+    python benchmarks/ray_overhead.py [--steps 4]
 
 Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Inline first, then Ray (local instance,
 colocated actor+rollout worker with 2 CPUs, 2 reward actors). Both use 2 torch threads. Two workloads: the

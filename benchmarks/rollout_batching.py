@@ -2,8 +2,8 @@
 request at a time, on a uniform RL workload and a mixed one, plus the prompt-embedding cache's effect on
 training steps.
 
-    /work/venv/bin/python benchmarks/rollout_batching.py            # full run, about 11 minutes on 2 cores
-    /work/venv/bin/python benchmarks/rollout_batching.py --quick    # a smaller run to check it works
+    python benchmarks/rollout_batching.py            # full run, about 11 minutes on 2 cores
+    python benchmarks/rollout_batching.py --quick    # a smaller run to check it works
 
 Writes ``benchmarks/results/rollout_batching.json`` and prints a summary. Model: the Qwen-Image
 architecture with random weights; ``--config small`` (default) widens the tiny preset's transformer to
