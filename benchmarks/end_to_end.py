@@ -52,12 +52,12 @@ class Load:
         self.threads = threads
         self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> Load:
+    def __enter__(self) -> Load:  # noqa: PYI034 - a plain class, never subclassed
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(self.threads)]
         time.sleep(0.5)  # the scheduler has seen them
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for proc in self.procs:
             proc.kill()
         for proc in self.procs:
@@ -150,7 +150,7 @@ class _nullcontext:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

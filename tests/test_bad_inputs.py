@@ -54,8 +54,8 @@ def test_set_patches_a_reward_given_by_flag():
 
 @pytest.mark.parametrize(("content", "message"), [
     (b'{"prompt": null}\n', "prompts.jsonl:1: a record needs a non-empty text 'prompt' ('prompt' is None)"),
-    (b'{"prompt": "a cat"}\n{"text": "no prompt"}\n', "prompts.jsonl:2: a record needs a non-empty text 'prompt' "
-                                                      "(no 'prompt' key)"),
+    (b'{"prompt": "a cat"}\n{"text": "no prompt"}\n', ("prompts.jsonl:2: a record needs a non-empty text 'prompt' "
+                                                       "(no 'prompt' key)")),
     (b'{"prompt": "a cat"}\n{broken\n', "prompts.jsonl:2: not valid JSON"),
     (b'["a list"]\n', "prompts.jsonl:1: expected a JSON object"),
 ])
