@@ -203,3 +203,18 @@ def test_the_memory_floor_counts_outputs_and_trajectories():
     assert check_rollout_memory(cfg, available=10 * need["total"]) == need
     with pytest.raises(ConfigError, match="more than the"):
         check_rollout_memory(cfg, available=need["total"])
+
+
+def test_prompt_data_without_the_field_a_reward_reads_is_refused_at_dry_run(tmp_path):
+    data = tmp_path / "questions.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + json.dumps({"prompt": "3+3?"}) + "\n")
+    args = ["train", "--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--reward", "answer-match",
+            "--set", f"data.prompts={data}", "--dry-run"]
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "lacks fields the rewards need" in proc.stderr
+    assert "reward 'answer-match' reads the field 'answer', which 1 of 2 train record(s) lack" in proc.stderr
+    _clean(proc)
+    # the field an option names is the one checked
+    ok = run_cli(*args[:-1], "--set", "rewards.0.options.answer_key=prompt", "--dry-run")
+    assert ok.returncode == 0, ok.stderr

@@ -448,9 +448,31 @@ def open_run_data(resolved: Any) -> PromptData:
                 default, name = list(load_object(spec.default_prompts)), f"reward '{spec.name}'"
                 break
     data = load_data(resolved.config.data, default, name)
+    check_reward_fields(resolved, data)
     if resolved.config.run.eval_every is not None and not data.test:
         raise ConfigError(f"run.eval_every = {resolved.config.run.eval_every}, but the prompts ({data.source}) have "
                           "no test split to evaluate on.",
                           hint="Give held-out prompts: data.test_prompts=FILE, data.test_fraction=0.1, or a data "
                           "set with a test split (e.g. data.prompts=builtin:colors).")
     return data
+
+
+def check_reward_fields(resolved: Any, data: PromptData) -> None:
+    """Every record (train and test) holds the fields the run's rewards read (``RewardSpec.input_fields``)."""
+    from omnirl_core.registry import load_object
+
+    problems = []
+    for i, spec in enumerate(resolved.rewards):
+        fields = spec.input_fields
+        if isinstance(fields, str):
+            fields = load_object(fields)(resolved.options.get(f"rewards.{i}.options"))
+        for field in fields:
+            for split, records in (("train", data.train), ("test", data.test or [])):
+                missing = [n for n, record in enumerate(records) if record.get(field) is None]
+                if missing:
+                    problems.append(f"  reward '{spec.name}' reads the field '{field}', which {len(missing)} of "
+                                    f"{len(records)} {split} record(s) lack (the first: record {missing[0] + 1}, "
+                                    f"prompt {records[missing[0]]['prompt'][:50]!r})")
+    if problems:
+        raise ConfigError(f"The prompt data ({data.source}) lacks fields the rewards need.", details=problems,
+                          hint="Add the fields to every record (a .jsonl key or a column), or pick other rewards.")

@@ -125,6 +125,9 @@ class RewardSpec(ComponentSpec):
     resources: dict[str, float] = field(default_factory=dict)
     default_prompts: Any = None
     """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
+    input_fields: Any = ()
+    """Fields every prompt record must hold for this reward (e.g. a reference answer): names, or
+    ``"module:attr"`` of a function ``(options) -> names`` when an option picks them. Checked at dry-run."""
 
     @property
     def modalities(self) -> tuple[str, ...]:

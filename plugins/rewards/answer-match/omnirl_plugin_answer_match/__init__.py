@@ -16,5 +16,6 @@ def omnirl_register_rewards(register):
             config="omnirl_plugin_answer_match.reward:AnswerMatchOptions",
             modality="text",
             default_prompts="omnirl_plugin_answer_match.tasks:CHOICE_QUESTIONS",
+            input_fields="omnirl_plugin_answer_match.reward:input_fields",
         )
     )

@@ -33,6 +33,11 @@ class AnswerMatchOptions(BaseModel):
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
+def input_fields(options: AnswerMatchOptions | None) -> tuple[str, ...]:
+    """The prompt-record field the reward compares against (checked at dry-run)."""
+    return ((options or AnswerMatchOptions()).answer_key,)
+
+
 def extract_choice(text: str, choices: str) -> str | None:
     letters = re.escape(choices)
     # the text opens with the letter: "B", "(B)", "B) blue", "B." -- but not "Because" or "CA"
