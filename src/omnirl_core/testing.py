@@ -145,3 +145,31 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     print(f"{reward}: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
     assert last - first >= 2 * se, (first, last, se)
     return first, last, se
+
+
+def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: Any) -> int:
+    """Bytes ``run()``'s forward pass keeps alive for the backward pass, parameters of ``modules`` excluded,
+    each storage once: the tensors autograd saves outside checkpointed regions plus the inputs of every one of
+    ``blocks`` (a gradient checkpoint keeps them to recompute the block). CPU torch has no allocator
+    statistics; this is what gradient checkpointing changes, measured directly."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+    kept: dict[int, Any] = {}
+
+    def keep(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t
+
+    def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+        for value in (*args, *kwargs.values()):
+            keep(value)
+
+    handles = [b.register_forward_pre_hook(pre_hook, with_kwargs=True) for b in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(t.untyped_storage().nbytes() for t in kept.values())

@@ -22,6 +22,7 @@ from PIL import Image
 from omnirl_core.ar import SamplingParams
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.interfaces import GenRequest
+from omnirl_core.testing import kept_for_backward_bytes
 from omnirl_core.token_policy_gradient import AR_PLAN
 
 
@@ -68,26 +69,7 @@ def _batch(model, media: dict[str, str], question: str = "Which letter? A or B."
 
 def _kept_bytes(model, run) -> int:
     """Bytes the decoder's forward pass keeps for the backward pass (see the module docstring)."""
-    params = {p.untyped_storage().data_ptr() for p in model.module.parameters()}
-    kept: dict[int, torch.Tensor] = {}
-
-    def keep(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t
-
-    def pre_hook(module, args, kwargs):
-        for value in (*args, *kwargs.values()):
-            keep(value)
-
-    handles = [layer.register_forward_pre_hook(pre_hook, with_kwargs=True)
-               for layer in model.module.model.language_model.layers]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sum(t.untyped_storage().nbytes() for t in kept.values())
+    return kept_for_backward_bytes([model.module], model.module.model.language_model.layers, run)
 
 
 def test_checkpointing_gives_the_same_logprobs_loss_and_gradients(models, media: dict[str, str]):

@@ -17,6 +17,7 @@ from omnirl_plugin_wan22.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.sampler import step_mean, transition_logprob
+from omnirl_core.testing import kept_for_backward_bytes
 
 LAYOUTS = ("a14b", "ti2v-5b")
 
@@ -62,25 +63,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _kept_bytes(model, run) -> int:
     """Bytes the forward pass keeps for the backward pass (see the module docstring)."""
     experts = [model.experts[name] for name in model.trained]
-    params = {p.untyped_storage().data_ptr() for e in experts for p in e.parameters()}
-    kept: dict[int, torch.Tensor] = {}
-
-    def keep(t):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t
-
-    def pre_hook(module, args, kwargs):
-        for value in (*args, *kwargs.values()):
-            keep(value)
-
-    handles = [b.register_forward_pre_hook(pre_hook, with_kwargs=True) for e in experts for b in e.blocks]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
-            run()
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sum(t.untyped_storage().nbytes() for t in kept.values())
+    return kept_for_backward_bytes(experts, [b for e in experts for b in e.blocks], run)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
