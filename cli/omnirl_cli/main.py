@@ -644,5 +644,18 @@ def run() -> None:
         sys.exit(EXIT_RUNTIME)
 
 
+# Commands that live in their own module (``omnirl_cli/<name>.py``, each with ``register(app)``).
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _register_command_modules() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"omnirl_cli.{name}").register(app)
+
+
+_register_command_modules()
+
 if __name__ == "__main__":
     run()
