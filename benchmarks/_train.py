@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
+from omnirl_core.runtime.controller import Controller
 
 RESULTS = Path(__file__).with_name("results")
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",

@@ -83,7 +83,7 @@ def summary(records: dict) -> dict:
 
 
 def start_judge(latency: float) -> tuple[subprocess.Popen, str]:
-    from omnirl_core.distributed import free_port
+    from omnirl_core.runtime.distributed import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "omnirl_plugin_vlm_judge.server", "--port", str(port),

@@ -16,7 +16,7 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 
-Policies: ``default`` (omnirl's: ``omnirl_core.threads``), ``gomp`` (libgomp's own spin count, 300000),
+Policies: ``default`` (omnirl's: ``omnirl_core.runtime.threads``), ``gomp`` (libgomp's own spin count, 300000),
 ``passive`` (OMP_WAIT_POLICY=PASSIVE), ``spin=N`` (GOMP_SPINCOUNT=N).
 """
 
@@ -92,7 +92,7 @@ def floor(ctl: Any, step: int) -> dict[str, float]:
     """The model calls of one step, back to back (see the module docstring)."""
     import torch
 
-    from omnirl_core.training import chunks
+    from omnirl_core.runtime.training import chunks
 
     cfg, worker = ctl.cfg, ctl.executor.worker
     model = worker.model
@@ -158,7 +158,7 @@ PHASES = ("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s")
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    from omnirl_core import threads
+    from omnirl_core.runtime import threads
 
     threads.apply_env()  # as the CLI does, before torch loads; a policy's variables were set by the parent
     import torch
@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_threads is None:
-        from omnirl_core.threads import available_cpus
+        from omnirl_core.runtime.threads import available_cpus
 
         args.load_threads = available_cpus()
     if args.child:

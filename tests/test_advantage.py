@@ -1,6 +1,6 @@
 import torch
 
-from omnirl_core.advantage import group_advantages
+from omnirl_core.rl.advantage import group_advantages
 
 
 def test_group_advantages_per_group_and_global():

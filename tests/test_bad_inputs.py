@@ -144,7 +144,7 @@ def test_resume_without_the_latest_pointer_and_with_leftovers(finished_run, tmp_
 def test_a_second_process_on_the_same_run_directory_is_refused(finished_run, tmp_path):
     out = _copy(finished_run, tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from omnirl_core.tracking import RunDir; "
+        "import sys, time; from pathlib import Path; from omnirl_core.rundir.rundir import RunDir; "
         f"RunDir(Path({str(out)!r})).lock(); print('locked', flush=True); time.sleep(120)")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -194,7 +194,7 @@ def test_a_step_too_large_for_this_machine_is_refused_up_front_with_the_numbers(
 def test_the_memory_floor_counts_outputs_and_trajectories():
     from omnirl_core.config import RunConfig
     from omnirl_core.errors import ConfigError
-    from omnirl_core.memory import check_rollout_memory, rollout_state_bytes
+    from omnirl_core.plan.memory import check_rollout_memory, rollout_state_bytes
 
     cfg = RunConfig.model_validate({"rollout": {"height": 64, "width": 64, "num_steps": 9,
                                                 "prompts_per_step": 2, "group_size": 4}})

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnirl_core.correction import (
+from omnirl_core.rl.correction import (
     record_deltas,
     rs_mask,
     sequence_diagnostics,
@@ -71,7 +71,7 @@ def test_bypass_keeps_the_first_delta_and_step_diagnostics():
 
 
 def test_minibatches_keep_samples_whole_and_ranks_take_whole_samples():
-    from omnirl_core.training import minibatches, rank_share
+    from omnirl_core.runtime.training import minibatches, rank_share
 
     units, _ = _units([[0.0] * 3, [0.0] * 2, [0.0] * 3, [0.0]])
     batches = minibatches(units, 2, step=4, shuffle=True)
@@ -84,7 +84,7 @@ def test_minibatches_keep_samples_whole_and_ranks_take_whole_samples():
 
 
 def test_fallback_monitor_needs_a_streak_in_bypass_mode():
-    from omnirl_core.correction import FallbackMonitor
+    from omnirl_core.rl.correction import FallbackMonitor
 
     monitor = FallbackMonitor(0.05, 3)
     seen = [monitor.observe("bypass", {"rs/rejected_frac": f}) for f in (0.2, 0.2, 0.0, 0.1, 0.3, 0.06)]

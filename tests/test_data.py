@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.config import DataSection
-from omnirl_core.data import builtin_sets, load_data, load_records, split_by_fraction
 from omnirl_core.errors import ConfigError
+from omnirl_core.runtime.data import builtin_sets, load_data, load_records, split_by_fraction
 
 from .conftest import run_cli
 

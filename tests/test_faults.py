@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from omnirl_core.controller import Controller
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.rewards import RewardError, RewardHealth
+from omnirl_core.runtime.controller import Controller
+from omnirl_core.runtime.rewards import RewardError, RewardHealth
 
 FIXTURES = Path(__file__).parent / "fixture_plugins"
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omnirl_core.ar import SamplingParams, sampling_logprobs
+from omnirl_core.ar.policy_gradient import SequenceUnit, TokenPolicyGradient
+from omnirl_core.ar.sampling import SamplingParams, sampling_logprobs
 from omnirl_core.config import RunConfig
+from omnirl_core.flow.sampler import step_mean, transition_logprob
 from omnirl_core.interfaces import Sample
-from omnirl_core.sampler import step_mean, transition_logprob
-from omnirl_core.token_policy_gradient import SequenceUnit, TokenPolicyGradient
-from omnirl_core.training import NonFiniteError
+from omnirl_core.runtime.training import NonFiniteError
 
 
 class _Linear:

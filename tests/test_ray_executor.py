@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from omnirl_core.controller import Controller
 from omnirl_core.errors import UsageError
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
+from omnirl_core.runtime.controller import Controller
 
 ray = pytest.importorskip("ray")
 
@@ -113,7 +113,7 @@ def test_inline_separate_reference_worker_matches_the_actor_reference(tmp_path: 
 
 
 def test_colocated_with_several_train_ranks_is_refused(tmp_path: Path):
-    from omnirl_core.ray_executor import RayExecutor
+    from omnirl_core.runtime.ray_executor import RayExecutor
 
     with pytest.raises(UsageError, match="placement=split"):
         RayExecutor(_resolved(tmp_path, executor="ray", train_workers=2))

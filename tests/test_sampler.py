@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from omnirl_core.sampler import gaussian_kl, sample_step, step_mean, transition_logprob
+from omnirl_core.flow.sampler import gaussian_kl, sample_step, step_mean, transition_logprob
 
 
 def _inputs(b=3, shape=(4, 6, 6), seed=0):

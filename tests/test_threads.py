@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from omnirl_core import threads
+from omnirl_core.runtime import threads
 
 
 def test_cgroup_quotas_v2_and_v1(tmp_path):

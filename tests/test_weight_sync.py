@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnirl_core.controller import Controller
+from omnirl_core.flow.policy_gradient import transition_stats
 from omnirl_core.plugins import PluginManager
-from omnirl_core.policy_gradient import transition_stats
 from omnirl_core.resolve import resolve_run
-from omnirl_core.weight_sync import state_bytes, sync_mode
-from omnirl_core.worker import Worker
+from omnirl_core.runtime.controller import Controller
+from omnirl_core.runtime.weight_sync import state_bytes, sync_mode
+from omnirl_core.runtime.worker import Worker
 
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
            "omnirl_plugin_torch", "omnirl_plugin_color"]
@@ -98,7 +98,7 @@ def test_stale_rollout_is_seen_by_is_diagnostics_and_rejected_by_the_rs_mask(tmp
 def _mismatched_units(tmp_path, old_logprob: str, band=None):
     """Tiny Qwen-Image: the rollout worker's LoRA weights differ from the trainer's by a little noise (a
     bad weight sync), so every step has its own delta; returns the pieces for two identical trainers."""
-    from omnirl_core.worker import Worker
+    from omnirl_core.runtime.worker import Worker
 
     controller, actor, rollout = _workers(tmp_path, True, lr=1e-2, old_logprob=old_logprob, micro_batch_size=1)
     state = actor.trained_state()
@@ -119,7 +119,7 @@ def test_bypass_mask_uses_every_step_of_a_sample_even_across_micro_batches(tmp_p
     _, units = roll(controller, rollout, 1)
     # per sample: the mean delta over all its steps vs over its first step only (what the first
     # micro-batch of size 1 sees); pick a band edge between them for some sample, so its mask flips
-    from omnirl_core.policy_gradient import transition_stats
+    from omnirl_core.flow.policy_gradient import transition_stats
 
     with torch.no_grad():
         _, _, logp, _ = transition_stats(actor.model, units, units[0].sample.request.plan.eta)

@@ -17,8 +17,9 @@ from typing import Any
 import typer
 import yaml
 
-from omnirl_core import __version__, threads
+from omnirl_core import __version__
 from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, OmnirlError, RunInterrupted, UsageError
+from omnirl_core.runtime import threads
 
 threads.apply_env()  # the OpenMP pool's size and wait policy: read once, when torch loads (after this)
 
@@ -328,14 +329,14 @@ def train(
 ) -> None:
     """Train a model with an algorithm and rewards."""
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.tracking import RunDir
+    from omnirl_core.rundir.rundir import RunDir
 
     manager = _manager()
     layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
                           executor, ray_address,
                           qualified={s.qualified_name for s in manager.registries["reward"]}, trackers=tracker)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
-    from omnirl_core.trackers import resolve_trackers
+    from omnirl_core.runtime.trackers import resolve_trackers
 
     resolve_trackers(manager, resolved.config, resolved)  # unknown trackers and bad options fail here
     cfg = resolved.config
@@ -347,7 +348,7 @@ def train(
     if one_sided:
         _err(f"note: the run in '{run_path}' was saved by a version with other options; resuming with:\n"
              + "\n".join(f"  {d}" for d in one_sided[:10]))
-    from omnirl_core.data import NoPromptsError, open_run_data
+    from omnirl_core.runtime.data import NoPromptsError, open_run_data
 
     try:
         data = open_run_data(resolved)  # the prompts are opened and checked before anything is written
@@ -384,7 +385,7 @@ def train(
 def _train(resolved, run_path: Path, data=None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from omnirl_core.controller import Controller
+    from omnirl_core.runtime.controller import Controller
 
     cfg = resolved.config
     progress = Progress(
@@ -425,8 +426,8 @@ def _train(resolved, run_path: Path, data=None) -> None:
 def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager):
     """The resolved config of what eval / sample load: a run directory's config (flags and --set on top), or
     a model given by flags (the base model unless --lora)."""
-    from omnirl_core.evaluation import default_algorithm, run_layers
     from omnirl_core.resolve import resolve_run
+    from omnirl_core.runtime.evaluation import default_algorithm, run_layers
 
     if run_dir is None and not model and not recipe:
         raise UsageError("Nothing to load: give a run directory or --model.",
@@ -444,7 +445,7 @@ def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, 
 
 
 def _weights(run_dir, checkpoint, lora, base):
-    from omnirl_core.evaluation import find_checkpoint
+    from omnirl_core.runtime.evaluation import find_checkpoint
 
     if sum(bool(x) for x in (checkpoint, lora, base)) > 1:
         raise UsageError("Give one of --checkpoint, --lora and --base.", hint="They name the weights to load.")
@@ -492,7 +493,7 @@ def eval_cmd(
     fmt: str = FormatOpt,
 ) -> None:
     """Evaluate a model on held-out prompts: fixed seeds, the deterministic (ODE) sampler, every reward."""
-    from omnirl_core import evaluation as ev
+    from omnirl_core.runtime import evaluation as ev
 
     _check_format(fmt)
     if compare not in (None, "base"):
@@ -574,7 +575,7 @@ def sample_cmd(
     device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
 ) -> None:
     """Generate from a model (a run's checkpoint, a LoRA or the base) for a list of prompts into a folder."""
-    from omnirl_core.evaluation import Evaluator, eval_records, eval_requests, save_samples
+    from omnirl_core.runtime.evaluation import Evaluator, eval_records, eval_requests, save_samples
 
     manager = _manager()
     resolved = _model_for(run_dir, model, algo, preset, None, recipe, overrides, device, manager)
@@ -598,14 +599,14 @@ def report_cmd(
     out: str | None = typer.Option(None, "--out", help="HTML file to write; default: RUN_DIR/report.html."),
 ) -> None:
     """One self-contained HTML page about a run: reward, eval, KL, clip-fraction and timing curves, sample grids."""
-    from omnirl_core.report import write_report
+    from omnirl_core.rundir.report import write_report
 
     path = write_report(Path(run_dir), Path(out) if out else None)
     _err(f"omnirl: report written to {path}")
 
 
 def _saved_steps(run_path: Path) -> str:
-    from omnirl_core.checkpoint import latest_checkpoint
+    from omnirl_core.rundir.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(run_path)
     return f"latest checkpoint {latest.name}" if latest else "no checkpoint yet: a rerun starts over"

@@ -176,7 +176,7 @@ class RunSection(Section):
     )
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's compute in each worker process; None: every core this "
-        "process may use (affinity and cgroup quota). See omnirl_core.threads for the wait policy.",
+        "process may use (affinity and cgroup quota). See omnirl_core.runtime.threads for the wait policy.",
     )
     reward_timeout_s: float | None = Field(
         600.0, gt=0, description="Deadline of one reward call (a batch, or one sample in async mode), in seconds: "

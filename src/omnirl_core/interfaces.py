@@ -75,7 +75,7 @@ class GenRequest:
     arrival_s: float = 0.0
     inputs: dict[str, Any] = field(default_factory=dict)
     """The prompt's data record besides the text: media paths (``image``, ``audio``) for models that read
-    them, reference answers for rewards that compare against one (see ``omnirl_core.data``)."""
+    them, reference answers for rewards that compare against one (see ``omnirl_core.runtime.data``)."""
 
 
 @dataclass
@@ -146,7 +146,7 @@ class FlowModel(Protocol):
 
     Optional attribute ``text_encoder_version: int``: a model whose text encoder can change (trained or
     reloaded) increments it on every change, so that cached prompt embeddings are dropped
-    (``omnirl_core.embedding_cache``). Without it the text encoder is taken to be frozen.
+    (``omnirl_core.flow.embedding_cache``). Without it the text encoder is taken to be frozen.
     """
 
     capabilities: frozenset[str]

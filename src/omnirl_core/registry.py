@@ -174,7 +174,7 @@ class DeviceSpec(ComponentSpec):
 @dataclass
 class TrackerSpec(ComponentSpec):
     """An experiment tracker (TensorBoard, W&B, ...). ``factory(options)`` returns the tracker; see
-    ``omnirl_core.trackers`` for what it is called with."""
+    ``omnirl_core.runtime.trackers`` for what it is called with."""
 
     kind: ClassVar[str] = "tracker"
     requires: tuple[str, ...] = ()

@@ -167,7 +167,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
 
     device = resolve_device(manager, config.run.device) if probe_device else None
     if device is not None and device.torch_device == "cpu":
-        from omnirl_core.memory import check_rollout_memory
+        from omnirl_core.plan.memory import check_rollout_memory
 
         check_rollout_memory(config)
     if device is not None:

@@ -16,11 +16,11 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.advantage import group_advantages
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition
 from omnirl_core.interfaces import RolloutPlan, Sample
-from omnirl_core.policy_gradient import FlowPolicyGradient, Transition
+from omnirl_core.rl.advantage import group_advantages
 
 
 class DanceGRPOConfig(BaseModel):

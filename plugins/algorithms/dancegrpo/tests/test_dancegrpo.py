@@ -17,7 +17,7 @@ from omnirl_plugin_dancegrpo.algorithm import DanceGRPO, DanceGRPOConfig, extrem
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
-from omnirl_core.sampler import sample_step, step_mean, transition_logprob
+from omnirl_core.flow.sampler import sample_step, step_mean, transition_logprob
 
 
 def _config(**rollout) -> RunConfig:
@@ -63,9 +63,9 @@ def test_plan_is_dance_sde_everywhere_with_shared_group_noise():
 
 
 def test_controller_gives_a_group_one_initial_noise(tmp_path: Path):
-    from omnirl_core.controller import Controller
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
+    from omnirl_core.runtime.controller import Controller
 
     manager = PluginManager()
     manager.load_entry_points()

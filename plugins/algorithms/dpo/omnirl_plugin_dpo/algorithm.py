@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
-from omnirl_core.ema import ShadowParameters
 from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
 from omnirl_core.interfaces import Conditioning, EncodesImages, RolloutPlan, Sample
-from omnirl_core.sampler import mean_over_dims, noised, training_sigmas, velocity_target
+from omnirl_core.rl.ema import ShadowParameters
 
 
 class DPOConfig(BaseModel):

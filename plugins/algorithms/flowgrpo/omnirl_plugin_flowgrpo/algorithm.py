@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch
+from omnirl_core.flow.sampler import gaussian_kl
 from omnirl_core.interfaces import RolloutPlan
-from omnirl_core.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch
-from omnirl_core.sampler import gaussian_kl
 
 
 class FlowGRPOConfig(BaseModel):

@@ -16,7 +16,7 @@ from omnirl_plugin_flowgrpo.algorithm import FlowGRPO, FlowGRPOConfig
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
-from omnirl_core.sampler import sample_step, step_mean, transition_logprob
+from omnirl_core.flow.sampler import sample_step, step_mean, transition_logprob
 
 
 def _config(num_steps: int = 6) -> RunConfig:

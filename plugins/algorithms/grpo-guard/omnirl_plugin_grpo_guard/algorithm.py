@@ -18,9 +18,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.flow.policy_gradient import (
+    FlowPolicyGradient,
+    Transition,
+    TransitionBatch,
+    clipped_surrogate,
+)
+from omnirl_core.flow.sampler import mean_over_dims
 from omnirl_core.interfaces import RolloutPlan
-from omnirl_core.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch, clipped_surrogate
-from omnirl_core.sampler import mean_over_dims
 
 
 class GRPOGuardConfig(BaseModel):

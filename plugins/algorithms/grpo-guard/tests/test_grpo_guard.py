@@ -15,8 +15,8 @@ import torch
 from omnirl_plugin_grpo_guard.algorithm import GRPOGuard, GRPOGuardConfig, normalized_log_ratio
 
 from omnirl_core.config import RunConfig
-from omnirl_core.policy_gradient import clipped_surrogate
-from omnirl_core.sampler import gaussian_kl, sample_step, step_mean, transition_logprob
+from omnirl_core.flow.policy_gradient import clipped_surrogate
+from omnirl_core.flow.sampler import gaussian_kl, sample_step, step_mean, transition_logprob
 
 
 def _gaussian_pair(h: float, n: int = 4000, dims: int = 64, seed: int = 0, shift: float | None = None):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.ar.policy_gradient import TokenPolicyGradient, masked_mean
 from omnirl_core.config import RunConfig
-from omnirl_core.token_policy_gradient import TokenPolicyGradient, masked_mean
 
 
 class _TokenPGConfig(BaseModel):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from omnirl_plugin_gspo.algorithm import GRPO, GSPO, GRPOConfig, GSPOConfig
 
+from omnirl_core.ar.policy_gradient import SequenceUnit, padded
 from omnirl_core.config import RunConfig
 from omnirl_core.testing import run_train
-from omnirl_core.token_policy_gradient import SequenceUnit, padded
 
 PLUGIN = Path(__file__).resolve().parents[1] / "omnirl_plugin_gspo"
 

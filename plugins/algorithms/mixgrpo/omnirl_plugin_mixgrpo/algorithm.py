@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.interfaces import RolloutPlan
-from omnirl_core.policy_gradient import FlowPolicyGradient
 
 
 class MixGRPOConfig(BaseModel):

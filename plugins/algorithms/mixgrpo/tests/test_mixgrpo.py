@@ -15,7 +15,7 @@ from omnirl_plugin_mixgrpo.algorithm import MixGRPO, MixGRPOConfig, mixed_plan, 
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
-from omnirl_core.sampler import sample_step
+from omnirl_core.flow.sampler import sample_step
 
 
 def _config(num_steps: int = 10, seed: int = 0) -> RunConfig:

@@ -26,12 +26,12 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.advantage import group_advantages
 from omnirl_core.config import RunConfig
-from omnirl_core.ema import ShadowParameters
 from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
 from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
-from omnirl_core.sampler import mean_over_dims, noised, training_sigmas, velocity_target
+from omnirl_core.rl.advantage import group_advantages
+from omnirl_core.rl.ema import ShadowParameters
 
 
 class NFTConfig(BaseModel):

@@ -16,8 +16,8 @@ import torch
 from omnirl_plugin_nft.algorithm import DiffusionNFT, NFTConfig, nft_loss, optimality
 
 from omnirl_core.config import RunConfig
-from omnirl_core.ema import ShadowParameters
 from omnirl_core.errors import UsageError
+from omnirl_core.rl.ema import ShadowParameters
 
 
 def _config() -> RunConfig:

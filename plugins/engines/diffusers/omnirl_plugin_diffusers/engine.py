@@ -24,10 +24,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.embedding_cache import EmbeddingCache
 from omnirl_core.errors import UsageError
+from omnirl_core.flow.embedding_cache import EmbeddingCache
+from omnirl_core.flow.sampler import sample_step
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
-from omnirl_core.sampler import sample_step
 from omnirl_plugin_diffusers.scheduler import Batch, Scheduler, Slot, StaticScheduler, StepScheduler
 from omnirl_plugin_diffusers.stats import RolloutStats
 

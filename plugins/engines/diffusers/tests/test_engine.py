@@ -12,8 +12,8 @@ from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine, DiffusersRoll
 
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
 from omnirl_core.errors import UsageError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
-from omnirl_core.policy_gradient import FlowPolicyGradient
 
 PROMPTS = ["a red square", "a blue square on a long green field under a grey sky", "cat"]
 
@@ -204,7 +204,7 @@ def test_embedding_cache_encodes_each_prompt_once_and_shares_it(model):
 
 
 def test_cached_conditioning_does_not_depend_on_the_other_prompts(model):
-    from omnirl_core.embedding_cache import EmbeddingCache
+    from omnirl_core.flow.embedding_cache import EmbeddingCache
 
     together = EmbeddingCache(model).lookup(PROMPTS)
     for prompt, cond in zip(PROMPTS, together):

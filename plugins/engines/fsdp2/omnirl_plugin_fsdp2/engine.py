@@ -30,8 +30,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
-from omnirl_core.distributed import default_backend, ensure_process_group
-from omnirl_core.training import (
+from omnirl_core.runtime.distributed import default_backend, ensure_process_group
+from omnirl_core.runtime.training import (
     MetricMean,
     finite_update,
     minibatches,

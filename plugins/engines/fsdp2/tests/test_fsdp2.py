@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from omnirl_core.distributed import free_port
+from omnirl_core.runtime.distributed import free_port
 
 JOB = Path(__file__).with_name("rank_job.py")
 

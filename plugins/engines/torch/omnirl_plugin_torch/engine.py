@@ -14,7 +14,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import TrainSection
-from omnirl_core.training import MetricMean, chunks, finite_update, minibatches, prepare_all, rs_corrections
+from omnirl_core.runtime.training import (
+    MetricMean,
+    chunks,
+    finite_update,
+    minibatches,
+    prepare_all,
+    rs_corrections,
+)
 
 
 class TorchTrainOptions(BaseModel):

@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import LogitsProcessor
 
-from omnirl_core.ar import SamplingParams, TokenPrompt, sample_tokens, sampling_logprobs
+from omnirl_core.ar.sampling import SamplingParams, TokenPrompt, sample_tokens, sampling_logprobs
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest, Sample
 

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow import DenoiserModel
+from omnirl_core.flow.model import DenoiserModel
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.presets import atomic_directory, cache_dir
 
 DEFAULT_HUB_ID = "Qwen/Qwen-Image"
 
@@ -182,7 +182,7 @@ def load_pipeline(path: str, dtype: torch.dtype):
     """``QwenImagePipeline.from_pretrained`` on a local directory or a hub id, with a clear error."""
     from diffusers import QwenImagePipeline
 
-    from omnirl_core.flow import load_diffusers_pipeline
+    from omnirl_core.flow.model import load_diffusers_pipeline
 
     return load_diffusers_pipeline(QwenImagePipeline, path, dtype, "Qwen-Image")
 

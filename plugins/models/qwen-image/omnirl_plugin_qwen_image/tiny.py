@@ -22,7 +22,7 @@ def build_tiny_pipeline(seed: int = 0, tokenizer=None):
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from omnirl_core.tiny import QWEN2_VOCAB_SIZE, qwen2_tokenizer
+    from omnirl_core.presets import QWEN2_VOCAB_SIZE, qwen2_tokenizer
 
     tokenizer = tokenizer or qwen2_tokenizer()
     vocab = max(QWEN2_VOCAB_SIZE, len(tokenizer))
@@ -88,8 +88,8 @@ def build_tiny_pipeline(seed: int = 0, tokenizer=None):
 
 
 def _widen_decoder_range(vae) -> None:
-    """A colour reward needs a decoder with dynamic range (see ``omnirl_core.tiny.widen_decoder_range``)."""
-    from omnirl_core.tiny import widen_decoder_range
+    """A colour reward needs a decoder with dynamic range (see ``omnirl_core.presets.widen_decoder_range``)."""
+    from omnirl_core.presets import widen_decoder_range
 
     widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out,
                         (4, vae.config.z_dim, 1, 8, 8))

@@ -61,7 +61,7 @@ def test_parameter_count_matches_the_published_figure(built, component: str):
 
 
 def test_counts_hold_each_tensor_once_and_persistent_buffers():
-    from omnirl_core.sizing import checkpoint_numel
+    from omnirl_core.plan.sizing import checkpoint_numel
 
     with torch.device("meta"):
         tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
@@ -77,7 +77,7 @@ def test_lora_count_is_what_peft_adds():
     from omnirl_plugin_qwen_image.model import QwenImageModel
     from peft import LoraConfig
 
-    from omnirl_core.sizing import lora_numel
+    from omnirl_core.plan.sizing import lora_numel
 
     with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
         transformer = QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": 2})

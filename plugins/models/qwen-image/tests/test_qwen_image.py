@@ -12,8 +12,8 @@ from omnirl_plugin_qwen_image.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
 from omnirl_core.errors import UsageError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.interfaces import GenRequest, RolloutPlan
-from omnirl_core.policy_gradient import FlowPolicyGradient
 
 
 @pytest.fixture(scope="module")

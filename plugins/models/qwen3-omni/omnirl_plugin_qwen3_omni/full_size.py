@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
 
 VARIANTS = ("30b-a3b",)
 

@@ -1,5 +1,5 @@
 """The Qwen3-Omni thinker (transformers ``Qwen3OmniMoeThinkerForConditionalGeneration``) behind the omnirl
-AR contract (``omnirl_core.ar.CausalLMPolicy``): prompts with images and audio, LoRA on the text decoder.
+AR contract (``omnirl_core.ar.model.CausalLMPolicy``): prompts with images and audio, LoRA on the text decoder.
 
 Released checkpoints (``Qwen/Qwen3-Omni-30B-A3B-Instruct`` / ``-Thinking`` / ``-Captioner``) hold the whole omni
 model (thinker + talker + code2wav); only the thinker is loaded and trained. Text output only.
@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.ar import CausalLMPolicy, TokenPrompt
+from omnirl_core.ar.model import CausalLMPolicy
+from omnirl_core.ar.sampling import TokenPrompt
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest
-from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
+from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_qwen3_omni.media import MediaEncoder, collate_media
 
 DEFAULT_HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"

@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
 
 
 def tiny_tokenizer() -> Any:
-    from omnirl_core.tiny import qwen2_tokenizer
+    from omnirl_core.presets import qwen2_tokenizer
 
     tok = qwen2_tokenizer(extra_specials=QWEN3_OMNI_EXTRA_SPECIALS, name="qwen3-omni")
     tok.chat_template = CHAT_TEMPLATE

@@ -19,11 +19,11 @@ from omnirl_plugin_qwen3_omni.tiny import save_tiny
 from omnirl_plugin_transformers.engine import TransformersRolloutEngine, TransformersRolloutOptions
 from PIL import Image
 
-from omnirl_core.ar import SamplingParams
+from omnirl_core.ar.policy_gradient import AR_PLAN
+from omnirl_core.ar.sampling import SamplingParams
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.interfaces import GenRequest
 from omnirl_core.testing import kept_for_backward_bytes
-from omnirl_core.token_policy_gradient import AR_PLAN
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ from omnirl_plugin_qwen3_omni.tiny import save_tiny
 from omnirl_plugin_transformers.engine import TransformersRolloutEngine, TransformersRolloutOptions
 from PIL import Image
 
+from omnirl_core.ar.policy_gradient import AR_PLAN, TokenPolicyGradient
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest
 from omnirl_core.testing import check_ar_model, run_train
-from omnirl_core.token_policy_gradient import AR_PLAN, TokenPolicyGradient
 
 
 @pytest.fixture(scope="module")

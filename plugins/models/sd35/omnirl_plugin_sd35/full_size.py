@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
 
 VARIANTS = ("medium", "large")
 

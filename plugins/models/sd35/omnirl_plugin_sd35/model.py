@@ -18,9 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
+from omnirl_core.flow.model import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
+from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 
 HUB_IDS = {"medium": "stabilityai/stable-diffusion-3.5-medium", "large": "stabilityai/stable-diffusion-3.5-large"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from omnirl_core.tiny import clip_tokenizer, t5_tokenizer, widen_decoder_range
+from omnirl_core.presets import clip_tokenizer, t5_tokenizer, widen_decoder_range
 
 TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
 LAYOUTS = ("medium", "large")

@@ -70,7 +70,7 @@ def test_lora_count_is_what_peft_adds(variant: str):
     from omnirl_plugin_sd35.model import SD35Model
     from peft import LoraConfig
 
-    from omnirl_core.sizing import lora_numel
+    from omnirl_core.plan.sizing import lora_numel
 
     config = {**TRANSFORMERS[variant], "num_layers": 3}  # full width, three blocks (Medium: two MMDiT-X blocks)
     config["dual_attention_layers"] = config["dual_attention_layers"][:2]

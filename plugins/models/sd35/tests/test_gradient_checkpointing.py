@@ -16,7 +16,7 @@ from omnirl_plugin_sd35.model import SD35Options, create_model
 from omnirl_plugin_sd35.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection
-from omnirl_core.sampler import step_mean, transition_logprob
+from omnirl_core.flow.sampler import step_mean, transition_logprob
 from omnirl_core.testing import kept_for_backward_bytes
 
 LAYOUTS = ("medium", "large")

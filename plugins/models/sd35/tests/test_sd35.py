@@ -17,8 +17,8 @@ from omnirl_plugin_sd35.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
 from omnirl_core.errors import UsageError
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.interfaces import GenRequest, RolloutPlan
-from omnirl_core.policy_gradient import FlowPolicyGradient
 
 LAYOUTS = ("medium", "large")
 SIZE = 32
@@ -76,7 +76,7 @@ def test_flow_model_contract(tiny_dirs, layout: str):
 
 def test_velocity_matches_the_pipelines_own_denoising(tiny_dirs):
     """Our schedule + velocity + Euler steps reproduce StableDiffusion3Pipeline's latents (CFG on)."""
-    from omnirl_core.sampler import sample_step
+    from omnirl_core.flow.sampler import sample_step
 
     model = _model(tiny_dirs["medium"], lora=False)
     pipe = model.pipeline

@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow import DTYPES, DenoiserModel, load_diffusers_pipeline
+from omnirl_core.flow.model import DTYPES, DenoiserModel, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.tiny import atomic_directory, cache_dir, checkpoint_path
-from omnirl_core.weight_sync import cpu_copy
+from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
+from omnirl_core.runtime.weight_sync import cpu_copy
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 HIGH, LOW = "transformer", "transformer_2"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from omnirl_core.tiny import t5_tokenizer, widen_decoder_range
+from omnirl_core.presets import t5_tokenizer, widen_decoder_range
 
 TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
 TEXT_DIM = 32

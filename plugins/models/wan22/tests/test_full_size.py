@@ -76,7 +76,7 @@ def test_lora_count_is_what_peft_adds():
     from omnirl_plugin_wan22.model import Wan22Model
     from peft import LoraConfig
 
-    from omnirl_core.sizing import lora_numel
+    from omnirl_core.plan.sizing import lora_numel
 
     with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
         transformer = WanTransformer3DModel(**{**TRANSFORMERS["a14b"], "num_layers": 2})

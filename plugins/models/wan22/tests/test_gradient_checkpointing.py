@@ -16,7 +16,7 @@ from omnirl_plugin_wan22.model import Wan22Options, create_model
 from omnirl_plugin_wan22.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection
-from omnirl_core.sampler import step_mean, transition_logprob
+from omnirl_core.flow.sampler import step_mean, transition_logprob
 from omnirl_core.testing import kept_for_backward_bytes
 
 LAYOUTS = ("a14b", "ti2v-5b")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.tiny import SMALL_CORPUS, atomic_directory, cache_dir
+from omnirl_core.presets import SMALL_CORPUS, atomic_directory, cache_dir
 
 TINY_VERSION = 1
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.checkpoint import write_atomic
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.rundir.checkpoint import write_atomic
 
 TOTAL = "reward"
 """The weighted sum of the rewards (what training maximises), beside each reward by name."""
@@ -158,7 +158,7 @@ def compare(base: EvalResult, other: EvalResult) -> dict[str, dict[str, float]]:
 
 def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | None:
     """The first GRID_PROMPTS prompts, one row each (PNG; a JSONL file for text outputs)."""
-    from omnirl_core.visual import image_grid
+    from omnirl_core.rundir.pictures import image_grid
 
     count = min(len(result.outputs), GRID_PROMPTS * samples_per_prompt)
     outputs, rows = result.outputs[:count], result.rows[:count]
@@ -201,21 +201,21 @@ class Evaluator:
     trained it) whose weights are the base model's until ``load`` puts a checkpoint's or a LoRA's in."""
 
     def __init__(self, resolved: Any, score: bool = True):
-        from omnirl_core.worker import Worker
+        from omnirl_core.runtime.worker import Worker
 
         self.resolved = resolved
         self.worker = Worker(resolved, {"rollout"})
         self.worker.setup()
         self.rewards = None
         if score:
-            from omnirl_core.executors import build_rewards
+            from omnirl_core.runtime.executors import build_rewards
 
             self.rewards = build_rewards(resolved)
         self.loaded: str = "base"
 
     def load(self, directory: Path) -> None:
         """Trained weights from a checkpoint (verified against its checksums) or a LoRA directory."""
-        from omnirl_core.checkpoint import CHECKSUMS, verify
+        from omnirl_core.rundir.checkpoint import CHECKSUMS, verify
 
         if (directory / CHECKSUMS).is_file():
             verify(directory)
@@ -242,7 +242,7 @@ class Evaluator:
 
 def run_layers(run_dir: Path) -> dict[str, Any]:
     """A run directory's saved config as the lowest config layer (flags and --set go above it)."""
-    from omnirl_core.tracking import RunDir
+    from omnirl_core.rundir.rundir import RunDir
 
     saved = RunDir(run_dir).saved_config()
     if saved is None:
@@ -266,7 +266,7 @@ def default_algorithm(manager: Any, model_name: str) -> str:
 
 def find_checkpoint(run_dir: Path | None, checkpoint: str | None) -> Path | None:
     """``--checkpoint``: a path, ``step-N`` or ``N`` (in the run's checkpoints/); None: the run's latest."""
-    from omnirl_core.checkpoint import checkpoints, latest_checkpoint
+    from omnirl_core.rundir.checkpoint import checkpoints, latest_checkpoint
 
     if checkpoint is not None:
         path = Path(checkpoint)
@@ -290,7 +290,7 @@ def find_checkpoint(run_dir: Path | None, checkpoint: str | None) -> Path | None
 
 
 def checkpoint_step(path: Path | None) -> int:
-    from omnirl_core.checkpoint import STEP_DIR
+    from omnirl_core.rundir.checkpoint import STEP_DIR
 
     match = STEP_DIR.fullmatch(path.name) if path is not None else None
     return int(match.group(1)) if match else 0
@@ -299,7 +299,7 @@ def checkpoint_step(path: Path | None) -> int:
 def eval_records(resolved: Any, prompts: str | None, split: str, max_prompts: int | None) -> tuple[list[dict], str]:
     """The prompts to evaluate on and a description. ``split``: ``test`` (the held-out split; all of
     ``prompts`` when that source has none), ``train`` or ``all``."""
-    from omnirl_core.data import open_run_data
+    from omnirl_core.runtime.data import open_run_data
 
     cfg = resolved.config
     if prompts is not None:
@@ -326,7 +326,7 @@ def eval_records(resolved: Any, prompts: str | None, split: str, max_prompts: in
 
 def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
     """Each output in its own file: PNG (image), GIF (video frames), TXT (text); returns the index rows."""
-    from omnirl_core.visual import is_video, to_pil
+    from omnirl_core.rundir.pictures import is_video, to_pil
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []

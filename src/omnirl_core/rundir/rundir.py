@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from omnirl_core.checkpoint import write_atomic
 from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.rundir.checkpoint import write_atomic
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "plugins.lock.json"
@@ -117,7 +117,7 @@ class RunDir:
     def claim(self, config: dict[str, Any], plugins: list[dict[str, Any]]) -> bool:
         """Take the directory for a run: lock it, check it again (under the lock), clean what interrupted
         writes left, write the config. Returns whether a checkpoint exists to resume from."""
-        from omnirl_core.checkpoint import clean_partial, latest_checkpoint
+        from omnirl_core.rundir.checkpoint import clean_partial, latest_checkpoint
 
         self.lock()
         self.check(config)
@@ -187,7 +187,7 @@ class RunDir:
                   rewards: list[float] | None = None) -> Path:
         """A PNG grid of images / video frame strips (videos also as an animated GIF grid beside it); text
         outputs go to a JSONL file instead."""
-        from omnirl_core.visual import image_grid, is_video, video_grid_gif
+        from omnirl_core.rundir.pictures import image_grid, is_video, video_grid_gif
 
         if images and all(isinstance(x, str) for x in images):
             path = self.samples / f"step-{step:06d}.jsonl"
@@ -203,7 +203,7 @@ class RunDir:
         return path
 
     def plot_rewards(self) -> Path | None:
-        from omnirl_core.visual import reward_curve
+        from omnirl_core.rundir.pictures import reward_curve
 
         records = [r for r in self.read_metrics() if math.isfinite(r.get("reward/mean", float("nan")))]
         if not records:

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from omnirl_core.advantage import assign_group_advantages
-from omnirl_core.ar import completion_tokens
+from omnirl_core.ar.sampling import completion_tokens
 from omnirl_core.config import RunConfig
-from omnirl_core.correction import rs_mask, sequence_diagnostics
 from omnirl_core.interfaces import RolloutPlan, Sample
+from omnirl_core.rl.advantage import assign_group_advantages
+from omnirl_core.rl.correction import rs_mask, sequence_diagnostics
 
 AR_PLAN = RolloutPlan(step_kinds=(), train_steps=())
 """AR rollouts have no denoising steps: the rollout engine's sampling options define the distribution."""

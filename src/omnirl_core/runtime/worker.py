@@ -17,7 +17,7 @@ from typing import Any
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.weight_sync import export_trained_state, import_trained_state
+from omnirl_core.runtime.weight_sync import export_trained_state, import_trained_state
 
 ROLES = frozenset({"actor", "rollout", "reference"})
 OPTIMIZER_META = "optimizer.json"
@@ -84,7 +84,7 @@ class Worker:
     def setup(self) -> None:
         import torch
 
-        from omnirl_core.threads import configure
+        from omnirl_core.runtime.threads import configure
 
         r = self.resolved
         cfg = r.config
@@ -126,7 +126,7 @@ class Worker:
         without grad in micro-batches; what the actor would compute in its own ``prepare``."""
         import torch
 
-        from omnirl_core.training import chunks
+        from omnirl_core.runtime.training import chunks
 
         context = self.model.reference() if getattr(self.model, "lora", None) is not None else nullcontext()
         with torch.no_grad(), context:
@@ -177,7 +177,7 @@ class Worker:
         the algorithm's own state (rank 0; e.g. an EMA sampler policy or a reference snapshot)."""
         from safetensors.torch import save_file
 
-        from omnirl_core.checkpoint import optimizer_to_tensors
+        from omnirl_core.rundir.checkpoint import optimizer_to_tensors
 
         directory = Path(directory)
         if hasattr(self.trainer, "save_shards"):
@@ -198,10 +198,10 @@ class Worker:
         return files
 
     def load_state(self, directory: str | Path) -> None:
-        """Load what ``save_state`` wrote (``omnirl_core.checkpoint`` has verified every file)."""
+        """Load what ``save_state`` wrote (``omnirl_core.rundir.checkpoint`` has verified every file)."""
         from safetensors.torch import load_file
 
-        from omnirl_core.checkpoint import optimizer_from_tensors, read_json
+        from omnirl_core.rundir.checkpoint import optimizer_from_tensors, read_json
 
         directory = Path(directory)
         if hasattr(self.trainer, "load_shards"):
@@ -239,7 +239,7 @@ def save_algorithm_state(algorithm: Any, directory: Path) -> list[str]:
 def load_algorithm_state(algorithm: Any, model: Any, directory: Path) -> None:
     from safetensors.torch import load_file
 
-    from omnirl_core.checkpoint import read_json
+    from omnirl_core.rundir.checkpoint import read_json
 
     if (directory / ALGORITHM_STATE).is_file() and hasattr(algorithm, "load_state"):
         algorithm.load_state(read_json(directory / ALGORITHM_STATE))

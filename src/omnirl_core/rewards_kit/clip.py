@@ -1,8 +1,11 @@
-"""CLIP through transformers, shared by the CLIP-based rewards (clipscore, pickscore, aesthetic, hpsv2).
+"""CLIP through transformers, shared by the CLIP-based reward plugins (clipscore, pickscore, aesthetic, hpsv2,
+geneval, video rewards).
 
 - ``load_clip``: a transformers ``CLIPModel`` + ``CLIPProcessor`` from a local directory or a hub id. A local
   directory is checked first and the error names the files it lacks; with ``HF_HUB_OFFLINE=1`` a hub id is
   looked up in the local cache only (``local_files_only``), never on the network.
+- ``load_options_clip``: the CLIP a reward's options ask for (``preset: tiny`` or ``path``); ``cosine``: the
+  cosine of each (image, text) pair.
 - ``ClipPreprocessor``: what ``CLIPProcessor`` does to a PIL image (resize the shortest edge, centre crop,
   rescale, normalise), done on tensors. Outputs are first quantised to uint8 like a saved PNG, and the
   resize reproduces Pillow's exactly: a separable antialiased bicubic (a = -0.5) in 22-bit fixed point,
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -164,6 +168,27 @@ def load_clip(path: str, processor_path: str | None, *, label: str, device: str 
     model = model.to(torch_device).eval().requires_grad_(False)
     return Clip(model, processor, ClipPreprocessor.from_image_processor(processor.image_processor, resize_on),
                 torch_device, torch_dtype, split_special_tokens)
+
+
+def load_options_clip(options: Any, default_path: str, label: str, tiny_name: str, tiny_act: str,
+                      processor_path: str | None = None, split_special_tokens: bool = False) -> Clip:
+    """The CLIP a CLIP-based reward's options (``preset``, ``path``, ``device``, ``dtype``) ask for: the tiny
+    preset's directory (a random CLIP with activation ``tiny_act``), or ``path`` (+ ``processor_path``)."""
+    if options.preset == "tiny":
+        path, processor_path = str(tiny_clip_directory(tiny_name, tiny_act)), None
+    else:
+        path = options.path or default_path
+    return load_clip(path, processor_path, label=label, device=options.device, dtype=options.dtype,
+                     split_special_tokens=split_special_tokens)
+
+
+def cosine(clip: Clip, outputs: Sequence[Any], texts: Sequence[str], batch_size: int) -> torch.Tensor:
+    """cos(image_i, text_i) for each pair, in float32; each distinct text is encoded once."""
+    unique = list(dict.fromkeys(texts))
+    text = F.normalize(clip.text_embeds(unique), dim=-1)
+    index = torch.tensor([unique.index(t) for t in texts], device=text.device)
+    image = torch.cat([clip.image_embeds(outputs[i:i + batch_size]) for i in range(0, len(outputs), batch_size)])
+    return (F.normalize(image, dim=-1) * text[index]).sum(dim=-1)
 
 
 def to_uint8(output: Any) -> torch.Tensor:

@@ -225,7 +225,7 @@ def _eval_section(run_dir: Path) -> str:
 
 def build_report(run_dir: Path) -> str:
     """The report page of ``run_dir`` as HTML text."""
-    from omnirl_core.tracking import RunDir
+    from omnirl_core.rundir.rundir import RunDir
 
     rd = RunDir(run_dir)
     config = rd.saved_config()
@@ -317,7 +317,7 @@ def build_report(run_dir: Path) -> str:
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
-    from omnirl_core.checkpoint import write_atomic
+    from omnirl_core.rundir.checkpoint import write_atomic
 
     out = out or run_dir / "report.html"
     write_atomic(out, build_report(run_dir))

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.correction import FallbackMonitor
-from omnirl_core.data import PromptData, PromptSampler, open_run_data
-from omnirl_core.executors import make_executor
 from omnirl_core.interfaces import GenRequest, Sample
-from omnirl_core.interrupts import StopSignals
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.rewards import RewardHealth
-from omnirl_core.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
-from omnirl_core.tracking import RunDir
+from omnirl_core.rl.correction import FallbackMonitor
+from omnirl_core.rundir.rundir import RunDir
+from omnirl_core.runtime.data import PromptData, PromptSampler, open_run_data
+from omnirl_core.runtime.executors import make_executor
+from omnirl_core.runtime.interrupts import StopSignals
+from omnirl_core.runtime.rewards import RewardHealth
+from omnirl_core.runtime.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
 
 log = logging.getLogger("omnirl")
 
@@ -82,8 +82,13 @@ class Controller:
         return out
 
     def setup(self) -> None:
-        from omnirl_core.checkpoint import clean_partial, latest_checkpoint, load_checkpoint, metrics_copy
-        from omnirl_core.threads import configure
+        from omnirl_core.rundir.checkpoint import (
+            clean_partial,
+            latest_checkpoint,
+            load_checkpoint,
+            metrics_copy,
+        )
+        from omnirl_core.runtime.threads import configure
 
         self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
         clean_partial(self.run_dir.path)
@@ -104,7 +109,7 @@ class Controller:
         log.info("resumed from %s (step %d)", ckpt, state["step"])
 
     def checkpoint(self, step: int) -> Path:
-        from omnirl_core.checkpoint import save_checkpoint
+        from omnirl_core.rundir.checkpoint import save_checkpoint
 
         # the algorithm's own state is written by the actor worker, where it lives (algorithm.json)
         extra = {"correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()},
@@ -171,10 +176,10 @@ class Controller:
         return every is not None and (step % every == 0 or step == self.cfg.run.steps)
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """The held-out evaluation after step ``step``'s update (``omnirl_core.evaluation``): the first
+        """The held-out evaluation after step ``step``'s update (``omnirl_core.runtime.evaluation``): the first
         ``run.eval_prompts`` test prompts, ``run.eval_samples`` fixed seeds each, the ODE sampler; returns
         its ``eval/*`` metrics and writes ``eval/step-N/``."""
-        from omnirl_core.evaluation import evaluate, write_results
+        from omnirl_core.runtime.evaluation import evaluate, write_results
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -207,7 +212,7 @@ class Controller:
     def run(self) -> dict[str, Any]:
         """Steps from the last checkpoint to ``run.steps``. A step is in a checkpoint whole or not at all:
         a signal before the update stops at once and saves the last finished step; a signal during the
-        update waits for the step to finish and be saved (see ``omnirl_core.interrupts``)."""
+        update waits for the step to finish and be saved (see ``omnirl_core.runtime.interrupts``)."""
         cfg = self.cfg
         signals = StopSignals()
         try:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from omnirl_core.errors import UsageError
-from omnirl_core.executors import build_rewards
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.worker import Worker, reference_placement
+from omnirl_core.runtime.executors import build_rewards
+from omnirl_core.runtime.worker import Worker, reference_placement
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -47,12 +47,12 @@ class WorkerActor:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from omnirl_core.distributed import free_port
+        from omnirl_core.runtime.distributed import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def init_group(self, backend: str, address: str, port: int) -> None:
-        from omnirl_core.distributed import init_process_group
+        from omnirl_core.runtime.distributed import init_process_group
 
         init_process_group(backend, self.worker.rank, self.worker.world_size, address, port)
 
@@ -83,7 +83,7 @@ class WorkerActor:
         self.worker.set_old_logprob(mode)
 
     def load_trained_state(self, state: dict[str, Any]) -> int:
-        from omnirl_core.weight_sync import state_bytes
+        from omnirl_core.runtime.weight_sync import state_bytes
 
         self.worker.load_trained_state(state)
         return state_bytes(state)
@@ -163,7 +163,7 @@ class RayExecutor:
 
         if ray.is_initialized():
             return
-        # the thread policy's wait setting (omnirl_core.threads) goes to the workers too; Ray sizes each
+        # the thread policy's wait setting (omnirl_core.runtime.threads) goes to the workers too; Ray sizes each
         # worker's OpenMP pool to its CPUs itself
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}

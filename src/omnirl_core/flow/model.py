@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from omnirl_core.config import LoraConfig
-from omnirl_core.weight_sync import cpu_copy
+from omnirl_core.runtime.weight_sync import cpu_copy
 
 
 class DenoiserModel:

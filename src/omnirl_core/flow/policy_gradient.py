@@ -12,17 +12,17 @@ from typing import Any
 
 import torch
 
-from omnirl_core.advantage import assign_group_advantages
 from omnirl_core.config import RunConfig
-from omnirl_core.correction import (
+from omnirl_core.flow.sampler import gaussian_kl, step_mean, transition_logprob
+from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
+from omnirl_core.rl.advantage import assign_group_advantages
+from omnirl_core.rl.correction import (
     record_deltas,
     rs_mask,
     sequence_diagnostics,
     sequence_log_weights,
     step_diagnostics,
 )
-from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
-from omnirl_core.sampler import gaussian_kl, step_mean, transition_logprob
 
 RS_KEEP = "rs_keep"
 """``Transition.extras`` key: the RS mask (1.0 kept, 0.0 rejected) applied to the unit's loss."""

@@ -114,7 +114,7 @@ def prepare_all(algorithm: Any, model: Any, units: list[Any], micro_batch_size: 
             metrics.add(algorithm.prepare(model, micro), len(micro))
     pending = getattr(algorithm, "pending_reference", None)
     if pending is not None:
-        from omnirl_core.worker import attach_reference
+        from omnirl_core.runtime.worker import attach_reference
 
         attach_reference(units, pending())
 

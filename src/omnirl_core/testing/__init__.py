@@ -72,7 +72,7 @@ def check_ar_model(model: Any, requests: Sequence[Any]) -> None:
     completions that do not depend on what shares the batch, a reference policy, text decoding."""
     import torch
 
-    from omnirl_core.ar import SamplingParams, TokenPrompt
+    from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
 
     assert isinstance(model.capabilities, frozenset) and "ar-text" in model.capabilities
     prompts = [model.encode_prompt(r) for r in requests]

@@ -1,7 +1,7 @@
 """Executors place the worker groups; the controller drives any of them through the same methods.
 
 ``inline``: one colocated worker (actor + rollout, one model: no weight copy) in the controller's
-process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``omnirl_core.ray_executor``,
+process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``omnirl_core.runtime.ray_executor``,
 imported only when selected).
 
 The interface the controller uses:
@@ -22,8 +22,8 @@ from typing import Any
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.rewards import RewardFn, RewardSet, RewardStream
-from omnirl_core.worker import Worker, reference_placement
+from omnirl_core.runtime.rewards import RewardFn, RewardSet, RewardStream
+from omnirl_core.runtime.worker import Worker, reference_placement
 
 
 def build_rewards(resolved: ResolvedRun) -> RewardSet:
@@ -117,7 +117,7 @@ class InlineExecutor:
         self.worker.set_old_logprob(mode)
 
     def save_state(self, directory: Path) -> list[str]:
-        """The workers' part of a checkpoint (``omnirl_core.checkpoint`` writes the rest)."""
+        """The workers' part of a checkpoint (``omnirl_core.rundir.checkpoint`` writes the rest)."""
         assert self.worker is not None
         return self.worker.save_state(directory)
 
@@ -130,7 +130,7 @@ class InlineExecutor:
             self.stream.close()
 
 
-EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.ray_executor:RayExecutor"}
+EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.runtime.ray_executor:RayExecutor"}
 
 
 def make_executor(resolved: ResolvedRun) -> Any:

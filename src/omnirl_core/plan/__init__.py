@@ -1,0 +1,2 @@
+"""Sizes and memory: parameter counts against published totals (``sizing``) and memory budgets
+(``memory``)."""
