@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from omnirl_plugin_clipscore.clip import load_clip
-from omnirl_plugin_clipscore.tiny import TINY_VERSION, save_tiny_clip
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.presets import atomic_directory, cache_dir
+from omnirl_core.rewards_kit.clip import load_clip
+from omnirl_core.rewards_kit.tiny_clip import TINY_VERSION, save_tiny_clip
 from omnirl_plugin_aesthetic.mlp import AestheticMLP, load_mlp
 
 DEFAULT_CLIP = "openai/clip-vit-large-patch14"

@@ -15,13 +15,13 @@ import pytest
 import torch
 from omnirl_plugin_aesthetic.convert import convert
 from omnirl_plugin_aesthetic.reward import MLP_FILE, AestheticOptions, AestheticScore, tiny_directory
-from omnirl_plugin_clipscore.clip import to_uint8
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.clip import to_uint8
 from omnirl_core.testing import check_reward_rises
 
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_plugin_clipscore.clip import Clip, load_clip
-from omnirl_plugin_clipscore.tiny import tiny_clip_directory
+from omnirl_core.rewards_kit.clip import cosine, load_options_clip
 
 DEFAULT_PATH = "openai/clip-vit-base-patch32"
 DEFAULT_PROMPTS = [
@@ -42,26 +39,6 @@ class ClipScoreOptions(BaseModel):
     prefix: str = Field("A photo depicts ", description="Text put before each prompt (the paper's default; "
                         "'' for none).")
     batch_size: int = Field(32, ge=1, description="Images per CLIP forward pass.")
-
-
-def load_options_clip(options: Any, default_path: str, label: str, tiny_name: str, tiny_act: str,
-                      processor_path: str | None = None, split_special_tokens: bool = False) -> Clip:
-    """The CLIP a CLIP-based reward's options ask for: the tiny preset's directory, or path (+ processor)."""
-    if options.preset == "tiny":
-        path, processor_path = str(tiny_clip_directory(tiny_name, tiny_act)), None
-    else:
-        path = options.path or default_path
-    return load_clip(path, processor_path, label=label, device=options.device, dtype=options.dtype,
-                     split_special_tokens=split_special_tokens)
-
-
-def cosine(clip: Clip, outputs: Sequence[Any], texts: Sequence[str], batch_size: int) -> torch.Tensor:
-    """cos(image_i, text_i) for each pair, in float32; each distinct text is encoded once."""
-    unique = list(dict.fromkeys(texts))
-    text = F.normalize(clip.text_embeds(unique), dim=-1)
-    index = torch.tensor([unique.index(t) for t in texts], device=text.device)
-    image = torch.cat([clip.image_embeds(outputs[i:i + batch_size]) for i in range(0, len(outputs), batch_size)])
-    return (F.normalize(image, dim=-1) * text[index]).sum(dim=-1)
 
 
 class ClipScore:

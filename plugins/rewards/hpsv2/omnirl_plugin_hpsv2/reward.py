@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from omnirl_plugin_clipscore.clip import load_clip
-from omnirl_plugin_clipscore.reward import cosine
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.clip import cosine, load_clip
 
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 CONVERT = "python -m omnirl_plugin_hpsv2.convert HPS_v2.1_compressed.pt DIR"

@@ -7,9 +7,9 @@ import math
 from pathlib import Path
 
 import torch
-from omnirl_plugin_clipscore.tiny import TINY_VERSION, clip_bpe_tokenizer, tiny_processor
 
-from omnirl_core.tiny import atomic_directory, cache_dir
+from omnirl_core.presets import atomic_directory, cache_dir
+from omnirl_core.rewards_kit.tiny_clip import TINY_VERSION, clip_bpe_tokenizer, tiny_processor
 from omnirl_plugin_hpsv2.convert import convert
 
 OPEN_CLIP_FILE = "open_clip.safetensors"

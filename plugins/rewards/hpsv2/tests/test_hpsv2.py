@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from omnirl_plugin_clipscore.clip import to_uint8
 from omnirl_plugin_hpsv2.convert import convert
 from omnirl_plugin_hpsv2.reward import HPSv2, HPSv2Options
 from omnirl_plugin_hpsv2.tiny import OPEN_CLIP_FILE, TINY_HEADS, tiny_directory
@@ -25,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.clip import to_uint8
 from omnirl_core.testing import check_reward_rises
 
 PROMPTS = ["a lighthouse in a storm", "a corgi on a beach", "a lighthouse in a storm"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from omnirl_plugin_clipscore.reward import cosine, load_options_clip
 from pydantic import BaseModel, ConfigDict, Field
+
+from omnirl_core.rewards_kit.clip import cosine, load_options_clip
 
 DEFAULT_PATH = "yuvalkirstain/PickScore_v1"
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"

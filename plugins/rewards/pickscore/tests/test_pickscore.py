@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omnirl_plugin_clipscore.clip import to_uint8
-from omnirl_plugin_clipscore.tiny import tiny_clip_directory
 from omnirl_plugin_pickscore.reward import PickScore, PickScoreOptions
 from PIL import Image
 from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.clip import to_uint8
+from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
 from omnirl_core.testing import check_reward_rises
 
 
