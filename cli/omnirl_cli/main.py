@@ -646,7 +646,7 @@ def run() -> None:
 
 
 # Commands that live in their own module (``omnirl_cli/<name>.py``, each with ``register(app)``).
-COMMAND_MODULES: tuple[str, ...] = ("env",)
+COMMAND_MODULES: tuple[str, ...] = ("reward", "env")
 
 
 def _register_command_modules() -> None:

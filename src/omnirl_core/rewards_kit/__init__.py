@@ -1,3 +1,22 @@
 """Code the learned-reward plugins share (plugins never import each other): CLIP loading and preprocessing
-(``clip``), tiny random-weight CLIP presets (``tiny_clip``), and the offline-aware ``from_pretrained`` with
-errors that name the missing files. Importing this package loads nothing heavy; its modules import torch."""
+(``clip``), tiny random-weight CLIP presets (``tiny_clip``), the reward server's wire format (``wire``), and
+``build_reward``: another installed reward by name, for rewards that wrap one (and for the reward server).
+Importing this package loads nothing heavy; ``clip`` and ``tiny_clip`` import torch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_reward(name: str, options: dict[str, Any] | None = None, manager: Any = None) -> tuple[Any, Any]:
+    """(reward object, its RewardSpec) for an installed reward ``name`` and its options, validated as a run
+    validates them (unknown keys are errors)."""
+    from omnirl_core.config import validate_options
+
+    if manager is None:
+        from omnirl_core.plugins import get_plugin_manager
+
+        manager = get_plugin_manager()
+    spec = manager.resolve("reward", name)
+    typed = validate_options(dict(options or {}), spec.load_config(), f"reward '{name}'")
+    return spec.load_factory()(typed), spec

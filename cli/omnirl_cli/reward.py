@@ -1,0 +1,49 @@
+"""``omnirl reward serve NAME``: serve an installed reward over HTTP for the ``remote`` reward."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import typer
+
+SetOpt = typer.Option(None, "--set", help="A reward option, e.g. --set preset=tiny --set device=cuda:1 (repeatable).")
+reward_app = typer.Typer(help="Work with one reward: serve it over HTTP.", no_args_is_help=True)
+
+
+@reward_app.command("serve")
+def serve(
+    name: str = typer.Argument(..., help="An installed reward (see `omnirl list rewards`)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8700, "--port", "-p", help="Port to listen on (0: a free one, printed)."),
+    overrides: list[str] | None = SetOpt,
+    max_batch: int = typer.Option(32, "--max-batch", min=1, help="Most samples scored in one call."),
+    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0, help="How long the first request of a "
+                                      "batch waits for others to join it."),
+) -> None:
+    """Serve reward NAME: POST /score (JSON, PNG images / PNG video frames), GET /health. Concurrent requests
+    are scored in batches. Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token."""
+    from omnirl_core.config import parse_set
+    from omnirl_core.rewards_kit import build_reward
+    from omnirl_core.runtime.reward_server import RewardServer
+
+    reward, spec = build_reward(name, parse_set(overrides or []))
+    server = RewardServer(reward, spec.name, spec.modalities, host=host, port=port, max_batch=max_batch,
+                          max_wait_ms=max_wait_ms)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"omnirl: serving reward '{spec.name}' on {server.url} (POST /score, GET /health)", file=sys.stderr,
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("omnirl: reward server stopped", file=sys.stderr, flush=True)
+    finally:
+        server.httpd.server_close()
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(reward_app, name="reward")

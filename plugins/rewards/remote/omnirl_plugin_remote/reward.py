@@ -1,0 +1,133 @@
+"""The ``remote`` reward: sends outputs and prompts to a server started with ``omnirl reward serve NAME``.
+
+Wire format: ``omnirl_core.rewards_kit.wire`` (JSON; images as 8-bit PNG rounded as every image reward here
+rounds them, so a served image reward gives the same scores as in process). A connection that fails before
+an answer is retried (``retries``); a server that stays away fails the call with an error that says how to
+restart it, and the run, stopped with its last checkpoint, resumes when rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.wire import encode_output
+
+TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@]*@")
+
+
+class RemoteOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field("http://127.0.0.1:8700", description="The reward server's base URL (`omnirl reward serve "
+                     "NAME --port P` listens on http://127.0.0.1:P).")
+    expect: str | None = Field(None, description="The reward the server must be serving (checked at start), "
+                               "e.g. 'pickscore'; None: any.")
+    timeout_s: float = Field(300.0, gt=0, description="Deadline of one request, in seconds.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Deadline of connecting to the server, in seconds.")
+    retries: int = Field(3, ge=0, description="Retries of a request whose connection failed before an answer "
+                         "(server restarting, connection reset).")
+    retry_wait_s: float = Field(1.0, ge=0, description="Wait before the first retry (doubled for each next one).")
+    batch_size: int = Field(64, ge=1, description="Most samples per request (the server batches requests too).")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not re.match(r"(?i)^https?://[^/?#\s]+", url):
+            raise ValueError(f"expected http://HOST:PORT or https://..., got {_safe(url)!r}")
+        return url
+
+
+class RemoteRewardError(RuntimeError):
+    pass
+
+
+def _safe(text: str) -> str:
+    return _USERINFO.sub(r"\1***@", text)
+
+
+class RemoteReward:
+    uses_inputs = True  # forwarded; the server hands them to its reward only if that reward reads them
+
+    def __init__(self, options: RemoteOptions | None = None):
+        import httpx
+
+        self.options = o = options or RemoteOptions()
+        self.url = o.url.rstrip("/")
+        token = os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(headers=headers, follow_redirects=False,
+                                   timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s))
+        try:
+            self.info = self._request("GET", "/health", None, retries=0)
+        except RemoteRewardError as exc:
+            raise UsageError(
+                f"Remote reward: no reward server answers at {_safe(self.url)}.",
+                details=[str(exc)],
+                hint="Start one (`omnirl reward serve NAME --port P`, in the environment that has the reward) "
+                "and set rewards.<i>.options.url=http://HOST:P.",
+            ) from None
+        if o.expect is not None and self.info.get("reward") != o.expect:
+            raise UsageError(
+                f"Remote reward: the server at {_safe(self.url)} serves '{self.info.get('reward')}', "
+                f"not '{o.expect}'.", hint="Point rewards.<i>.options.url at the right server, or change expect.")
+        self.name = str(self.info.get("reward", "?"))
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, retries: int) -> Any:
+        import httpx
+
+        wait = self.options.retry_wait_s
+        for attempt in range(retries + 1):
+            try:
+                if body is None:
+                    response = self.client.request(method, self.url + path)
+                else:
+                    response = self.client.request(method, self.url + path, content=json.dumps(body).encode(),
+                                                   headers={"Content-Type": "application/json"})
+                break
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                if attempt == retries:
+                    raise RemoteRewardError(
+                        f"reward server {_safe(self.url)} is unreachable after {retries + 1} attempt(s) "
+                        f"({type(exc).__name__}: {_safe(str(exc)) or 'connection failed'}). If it stopped, restart "
+                        f"it (`omnirl reward serve {getattr(self, 'name', 'NAME')} --port P`) and rerun the same "
+                        "train command: the run resumes from its last checkpoint.") from None
+                time.sleep(wait)
+                wait *= 2
+            except httpx.TimeoutException as exc:
+                raise RemoteRewardError(f"reward server {_safe(self.url)} gave no answer in time "
+                                        f"({type(exc).__name__}; options.timeout_s={self.options.timeout_s:g})") from None
+        try:
+            answer = response.json()
+        except ValueError:
+            raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code} with "
+                                    f"something that is not JSON: {response.text[:200]!r}") from None
+        if response.status_code != 200:
+            error = answer.get("error") if isinstance(answer, dict) else answer
+            raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code}: {error}")
+        return answer
+
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],
+                 inputs: Sequence[Any] | None = None) -> list[float]:
+        scores: list[float] = []
+        size = self.options.batch_size
+        for start in range(0, len(prompts), size):
+            body = {"prompts": list(prompts[start:start + size]),
+                    "outputs": [encode_output(x) for x in outputs[start:start + size]]}
+            if inputs is not None and self.info.get("uses_inputs"):
+                body["inputs"] = json.loads(json.dumps(list(inputs[start:start + size]), default=str))
+            answer = self._request("POST", "/score", body, retries=self.options.retries)
+            if not isinstance(answer, dict) or not isinstance(answer.get("scores"), list):
+                raise RemoteRewardError(f"reward server {_safe(self.url)} answered without a 'scores' list")
+            scores += answer["scores"]
+        return scores
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,240 @@
+"""The reward server and the remote reward, over real HTTP on 127.0.0.1: same scores as in process (images,
+video, text, records), concurrent requests batched, one bad request failing only itself, bad input, the
+bearer token, a server that is down or dies; and end to end, a training run through `omnirl reward serve`
+that scores like the in-process reward, whose server is killed mid-run (clear error) and which resumes to
+the same numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward, RemoteRewardError
+
+from omnirl_core.errors import UsageError
+from omnirl_core.rewards_kit.wire import encode_output
+from omnirl_core.runtime.distributed import free_port
+from omnirl_core.runtime.reward_server import TOKEN_ENV, RewardServer
+
+
+def brightness(outputs, prompts):
+    """A reward of the 8-bit picture (like every image reward here): mean level + prompt length."""
+    return [float((o.clamp(0, 1) * 255).round().mean()) / 255 + len(p) / 100 if not isinstance(o, str)
+            else float(len(o)) for o, p in zip(outputs, prompts)]
+
+
+class Recording:
+    """Records the batch sizes it was called with; fails on a prompt that says 'fail'."""
+
+    uses_inputs = True
+
+    def __init__(self, delay_s: float = 0.0):
+        self.sizes: list[int] = []
+        self.delay_s = delay_s
+
+    def __call__(self, outputs, prompts, inputs):
+        self.sizes.append(len(prompts))
+        time.sleep(self.delay_s)
+        if any("fail" in p for p in prompts):
+            raise ValueError("asked to fail")
+        return [float(x["bonus"]) + o.mean().item() for o, x in zip(outputs, inputs)]
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(reward, **kwargs):
+        server = RewardServer(reward, "test-reward", port=0, **kwargs).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _images(n: int, h: int = 16, w: int = 12, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(3, h, w, generator=g) * 1.2 - 0.1 for _ in range(n)]  # some values outside [0, 1]
+
+
+def test_images_video_and_text_score_as_in_process(serve):
+    server = serve(brightness)
+    remote = RemoteReward(RemoteOptions(url=server.url, expect="test-reward", batch_size=2))
+    video = torch.rand(3, 5, 8, 8, generator=torch.Generator().manual_seed(1))
+    outputs = [*_images(3), video, "some text"]
+    prompts = ["a", "bb", "ccc", "a video", "x"]
+    assert remote(outputs, prompts) == brightness(outputs, prompts)  # exactly: 8-bit PNG is lossless
+    assert server.info()["requests"] == 3  # batch_size 2: five samples in three requests
+    assert encode_output(video)["kind"] == "video" and len(encode_output(video)["frames"]) == 5
+
+
+def test_concurrent_requests_are_batched_and_records_reach_the_reward(serve):
+    reward = Recording(delay_s=0.05)
+    server = serve(reward, max_batch=64, max_wait_ms=20)
+    remote = RemoteReward(RemoteOptions(url=server.url))
+    images = _images(12)
+
+    def one(i: int) -> list[float]:
+        return remote([images[i]], [f"p{i}"], inputs=[{"bonus": i}])
+
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(one, range(12)))
+    assert got == [[i + images[i].clamp(0, 1).mul(255).round().div(255).mean().item()] for i in range(12)]
+    assert sum(reward.sizes) == 12 and len(reward.sizes) < 12 and max(reward.sizes) > 1, reward.sizes
+    info = server.info()
+    assert info["requests"] == 12 and info["batches"] == len(reward.sizes) and info["largest_batch"] > 1
+
+
+def test_a_failing_request_fails_only_itself(serve):
+    reward = Recording(delay_s=0.05)
+    server = serve(reward, max_wait_ms=50)
+    remote = RemoteReward(RemoteOptions(url=server.url))
+    image = _images(1)
+
+    def one(prompt: str):
+        try:
+            return remote(image, [prompt], inputs=[{"bonus": 1}])
+        except RemoteRewardError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(one, ["ok", "please fail", "ok", "ok"]))
+    assert [isinstance(g, list) for g in got] == [True, False, True, True]
+    assert "answered 500: reward 'test-reward' failed: ValueError: asked to fail" in got[1]
+
+
+def test_bad_requests_are_refused_with_a_reason(serve):
+    server = serve(brightness)
+    post = lambda body: httpx.post(server.url + "/score", content=body, timeout=10)
+    r = post(b"{not json")
+    assert r.status_code == 400 and r.json()["error"].startswith("bad request")
+    r = post(json.dumps({"prompts": ["a", "b"], "outputs": [encode_output(_images(1)[0])]}).encode())
+    assert r.status_code == 400 and "as long as 'prompts'" in r.json()["error"]
+    r = post(json.dumps({"prompts": ["a"], "outputs": [{"kind": "image", "png": "bm90IGEgcG5n"}]}).encode())
+    assert r.status_code == 400 and "outputs[0]: not a readable base64 PNG" in r.json()["error"]
+    r = post(json.dumps({"prompts": ["a"], "outputs": [{"kind": "pickle", "data": "gASV"}]}).encode())
+    assert r.status_code == 400 and "got kind 'pickle'" in r.json()["error"]
+    assert httpx.get(server.url + "/nothing", timeout=10).status_code == 404
+
+
+def test_bad_scores_from_the_served_reward_are_errors(serve):
+    server = serve(lambda outputs, prompts: ["high"] * len(prompts))
+    remote = RemoteReward(RemoteOptions(url=server.url))
+    with pytest.raises(RemoteRewardError, match="answered 500: .*a score must be a real number"):
+        remote(_images(1), ["a"])
+
+
+def test_bearer_token(serve, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "s3cret-token")
+    server = serve(brightness)
+    assert RemoteReward(RemoteOptions(url=server.url))(_images(1), ["a"]) == brightness(_images(1), ["a"])
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 401
+    monkeypatch.setenv(TOKEN_ENV, "wrong")
+    with pytest.raises(UsageError) as err:
+        RemoteReward(RemoteOptions(url=server.url))
+    assert "answered 401: missing or wrong bearer token" in err.value.render()
+    assert "s3cret" not in err.value.render() and "wrong" not in err.value.render().replace("wrong bearer", "")
+
+
+def test_no_server_at_start_and_a_server_that_dies():
+    port = free_port()
+    with pytest.raises(UsageError) as err:
+        RemoteReward(RemoteOptions(url=f"http://user:pw@127.0.0.1:{port}"))
+    text = err.value.render()
+    assert f"no reward server answers at http://***@127.0.0.1:{port}" in text and "pw" not in text
+    assert "omnirl reward serve NAME --port P" in text
+    with pytest.raises(ValueError, match="expected http://HOST:PORT"):
+        RemoteOptions(url="127.0.0.1:8700")
+
+    server = RewardServer(brightness, "test-reward", port=0).start()
+    remote = RemoteReward(RemoteOptions(url=server.url, retries=2, retry_wait_s=0.05))
+    assert remote(_images(1), ["a"]) == brightness(_images(1), ["a"])
+    server.close()
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError) as err:
+        remote(_images(1), ["a"])
+    assert time.monotonic() - start < 5
+    assert "is unreachable after 3 attempt(s)" in str(err.value)
+    assert "omnirl reward serve test-reward --port P" in str(err.value) and "resumes" in str(err.value)
+
+
+# -- end to end: `omnirl reward serve` + `omnirl train --reward remote` -----------------------------------
+
+def _start_server(port: int, log: Path) -> subprocess.Popen:
+    exe = Path(sys.executable).with_name("omnirl")
+    handle = log.open("w")
+    proc = subprocess.Popen([str(exe), "reward", "serve", "jpeg", "--port", str(port)], stderr=handle,
+                            stdout=handle)
+    deadline = time.monotonic() + 120
+    while "serving reward 'jpeg'" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return proc
+
+
+def _train(run_dir: Path, prompts: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("omnirl")
+    return subprocess.run([str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
+                           "--steps", "5", "-o", str(run_dir), "--set", f"data.prompts={prompts}",
+                           "--set", "run.save_every=1", *args],
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_run_through_the_server_scores_like_in_process_and_resumes_after_the_server_dies(tmp_path: Path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\na red house\na green field\n")
+    local = _train(tmp_path / "local", prompts, "--reward", "jpeg")
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    port, log = free_port(), tmp_path / "server.log"
+    remote_args = ("--reward", "remote", "--set", f"rewards.0.options.url=http://127.0.0.1:{port}",
+                   "--set", "rewards.0.options.expect=jpeg", "--set", "rewards.0.options.retries=1",
+                   "--set", "rewards.0.options.retry_wait_s=0.2")
+    server = _start_server(port, log)
+    run_dir = tmp_path / "remote"
+
+    def kill_after_two_steps() -> None:
+        while len(_rows(run_dir)) < 2 and server.poll() is None:
+            time.sleep(0.02)
+        server.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_two_steps)
+    killer.start()
+    first = _train(run_dir, prompts, *remote_args)
+    killer.join()
+    server.wait()
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "Required reward 'remote' failed" in first.stderr
+    assert f"reward server http://127.0.0.1:{port} is unreachable" in first.stderr
+    assert "rerun the same train command: the run resumes" in first.stderr
+    done = len(_rows(run_dir))
+    assert 2 <= done < 5
+
+    server = _start_server(port, log)
+    try:
+        second = _train(run_dir, prompts, *remote_args)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+    assert second.returncode == 0, second.stderr[-3000:]
+    keys = ("step", "reward/mean", "reward/std", "loss")
+    got = [[row[k] for k in keys] for row in _rows(run_dir)]
+    assert got == [[row[k] for k in keys] for row in _rows(tmp_path / "local")]  # same seeds, same numbers
