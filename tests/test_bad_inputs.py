@@ -218,3 +218,15 @@ def test_prompt_data_without_the_field_a_reward_reads_is_refused_at_dry_run(tmp_
     # the field an option names is the one checked
     ok = run_cli(*args[:-1], "--set", "rewards.0.options.answer_key=prompt", "--dry-run")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_media_inputs_the_model_cannot_read_are_refused_at_dry_run(tmp_path):
+    """qwen-image reads no image inputs: a record with one would be ignored without a word."""
+    data = tmp_path / "edits.jsonl"
+    data.write_text(json.dumps({"prompt": "a red apple"}) + "\n"
+                    + json.dumps({"prompt": "make it blue", "image": str(tmp_path / "apple.png")}) + "\n")
+    proc = run_cli(*BASE, "--set", f"data.prompts={data}", "--dry-run")
+    assert proc.returncode == 2, proc.stderr
+    assert "has 'image' inputs (" in proc.stderr and "prompt 'make it blue'" in proc.stderr
+    assert "does not read image inputs" in proc.stderr and "image-input" in proc.stderr
+    _clean(proc)

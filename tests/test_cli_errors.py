@@ -126,12 +126,12 @@ def test_usage_errors_exit_2_without_a_traceback():
     _no_traceback(proc)
     bare = run_cli()
     assert bare.returncode == 2 and "Usage" in bare.stdout + bare.stderr and "NoArgsIsHelpError" not in bare.stderr
-    fmt = run_cli("models", "--format", "xml")
+    fmt = run_cli("list", "models", "--format", "xml")
     assert fmt.returncode == 2 and "Unknown --format 'xml'" in fmt.stderr
 
 
 def test_a_plugin_that_exits_on_import_is_reported_broken_not_fatal():
-    proc = run_cli("plugins", "list", env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "exiting_plugin"})
+    proc = run_cli("list", "plugins", env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "exiting_plugin"})
     assert proc.returncode == 0, proc.stderr
     assert "exiting_plugin" in proc.stdout and "broken" in proc.stdout and "SystemExit" in proc.stdout
     ok = run_cli(*BASE, "--dry-run", env={"PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "exiting_plugin"})

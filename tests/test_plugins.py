@@ -60,7 +60,7 @@ def _listing(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_broken_plugin_is_listed_and_does_not_take_the_cli_down():
-    proc = _listing("plugins", "list", "--format", "json", OMNIRL_PLUGINS="broken_plugin,misspelt_plugin")
+    proc = _listing("list", "plugins", "--format", "json", OMNIRL_PLUGINS="broken_plugin,misspelt_plugin")
     assert proc.returncode == 0, proc.stderr
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert rows["broken_plugin"]["status"] == "broken"
@@ -69,21 +69,21 @@ def test_broken_plugin_is_listed_and_does_not_take_the_cli_down():
     assert "omnirl_register_rewardz" in rows["misspelt_plugin"]["error"]
     assert rows["qwen-image"]["status"] == "ok"  # the installed first-party plugins still load
     # and the other listings keep working
-    models = _listing("models", "--format", "json", OMNIRL_PLUGINS="broken_plugin")
+    models = _listing("list", "models", "--format", "json", OMNIRL_PLUGINS="broken_plugin")
     assert models.returncode == 0 and "qwen-image" in {m["name"] for m in json.loads(models.stdout)}
 
 
 def test_strict_mode_makes_a_broken_plugin_fatal():
-    proc = _listing("plugins", "list", OMNIRL_PLUGINS="broken_plugin", OMNIRL_STRICT_PLUGINS="1")
+    proc = _listing("list", "plugins", OMNIRL_PLUGINS="broken_plugin", OMNIRL_STRICT_PLUGINS="1")
     assert proc.returncode == 3
     assert "broken on purpose" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_disabled_plugins_are_skipped():
-    proc = _listing("plugins", "list", "--format", "json", OMNIRL_DISABLE_PLUGINS="jpeg")
+    proc = _listing("list", "plugins", "--format", "json", OMNIRL_DISABLE_PLUGINS="jpeg")
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert rows["jpeg"]["status"] == "disabled"
-    rewards = {r["name"] for r in json.loads(_listing("rewards", "--format", "json",
+    rewards = {r["name"] for r in json.loads(_listing("list", "rewards", "--format", "json",
                                                        OMNIRL_DISABLE_PLUGINS="jpeg").stdout)}
     assert "jpeg" not in rewards
 
@@ -144,16 +144,16 @@ def test_third_party_plugin_package_is_installed_and_discovered(tmp_path: Path):
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert pip.returncode == 0, pip.stderr
-    proc = run_cli("rewards", "--format", "json", env={"PYTHONPATH": str(target)})
+    proc = run_cli("list", "rewards", "--format", "json", env={"PYTHONPATH": str(target)})
     assert proc.returncode == 0, proc.stderr
     rewards = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rewards["brightness"]["plugin"] == "brightness"
     assert rewards["brightness"]["version"] == "0.3.1"
-    plugins = {p["name"]: p for p in json.loads(run_cli("plugins", "list", "--format", "json",
+    plugins = {p["name"]: p for p in json.loads(run_cli("list", "plugins", "--format", "json",
                                                         env={"PYTHONPATH": str(target)}).stdout)}
     assert plugins["brightness"]["distribution"] == "omnirl-plugin-brightness"
     # without it on the path it is gone
-    assert "brightness" not in run_cli("rewards", "--format", "json").stdout
+    assert "brightness" not in run_cli("list", "rewards", "--format", "json").stdout
     assert (REPO / "CONTRIBUTING.md").is_file()
 
 

@@ -16,7 +16,7 @@ from omnirl_core.flow.policy_gradient import transition_stats
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 from omnirl_core.runtime.controller import Controller
-from omnirl_core.runtime.weight_sync import state_bytes, sync_mode
+from omnirl_core.runtime.weight_sync import state_bytes
 from omnirl_core.runtime.worker import Worker
 
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
@@ -35,7 +35,7 @@ def _workers(tmp_path: Path, lora: bool, lr: float = 3e-2, **train):
         "run": {"seed": 5, "output_dir": str(tmp_path), "device": "cpu"},
     }])
     controller = Controller(resolved, tmp_path)
-    actor = Worker(resolved, {"actor"}, algorithm=controller.algorithm)
+    actor = Worker(resolved, {"actor"})
     rollout = Worker(resolved, {"rollout"})
     actor.setup()
     rollout.setup()
@@ -62,7 +62,6 @@ def _max_delta(actor, units) -> float:
 def test_after_sync_rollout_and_trainer_logprobs_agree(tmp_path: Path, lora: bool):
     controller, actor, rollout = _workers(tmp_path, lora)
     state = actor.trained_state()
-    assert sync_mode(colocated=False, lora=lora) == ("lora" if lora else "full")
     full_keys = set(actor.model.denoiser.state_dict())
     if lora:  # only the adapter moves, a small part of the denoiser
         assert state and all("lora_" in k for k in state)
@@ -104,7 +103,7 @@ def _mismatched_units(tmp_path, old_logprob: str, band=None):
     state = actor.trained_state()
     gen = torch.Generator().manual_seed(0)
     rollout.load_trained_state({k: v + 0.02 * torch.randn(v.shape, generator=gen) for k, v in state.items()})
-    twin = Worker(controller.resolved, {"actor"}, algorithm=controller.algorithm)
+    twin = Worker(controller.resolved, {"actor"})
     twin.setup()
     return controller, actor, twin, rollout, _rollout
 
@@ -187,10 +186,12 @@ def test_bypass_falls_back_to_recompute_when_rejections_persist_and_resume_keeps
     assert [r["rs/rejected_frac"] > 0.05 for r in records[:2]] == [True, True]
     assert [r["correction/recompute"] for r in records] == [0.0, 0.0, 1.0]
     assert records[1].get("correction/fallback") == 1.0 and "correction/fallback" not in records[0]
-    assert first.cfg.train.old_logprob == "recompute"
+    # the switch is run-time state: the controller's and the actor's, never the config object's
+    assert first.old_logprob == "recompute" and first.executor.worker.algorithm.old_logprob == "recompute"
+    assert first.cfg.train.old_logprob == "bypass"
     # the saved config still says bypass; the checkpoint carries the switch
     resumed = controller(4)
-    assert resumed.cfg.train.old_logprob == "bypass"
+    assert resumed.cfg.train.old_logprob == "bypass" and resumed.old_logprob == "bypass"
     resumed.run()
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 4 and last["correction/recompute"] == 1.0

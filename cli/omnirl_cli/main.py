@@ -30,9 +30,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-plugins_app = typer.Typer(help="Installed plugins.", no_args_is_help=True)
 config_app = typer.Typer(help="Configurations.", no_args_is_help=True)
-app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 
 STATE = {"debug": bool(os.environ.get("OMNIRL_DEBUG"))}
@@ -95,17 +93,6 @@ def _check_format(fmt: str) -> None:
 
 # -- listings -------------------------------------------------------------------------------------
 
-@plugins_app.command("list")
-def plugins_list(fmt: str = FormatOpt) -> None:
-    """Every discovered plugin: ok, broken (with its error) or disabled."""
-    _check_format(fmt)
-    rows = [p.as_dict() for p in sorted(_manager().plugins.values(), key=lambda p: p.name)]
-    if fmt == "json":
-        typer.echo(json.dumps(rows, indent=2))
-    else:
-        _print_table(rows, ["name", "status", "distribution", "version", "components", "error"])
-
-
 COLUMNS = {
     "model": ["name", "plugin", "capabilities", "presets", "description"],
     "algorithm": ["name", "plugin", "requires", "needs_logprobs", "needs_reference", "description"],
@@ -160,45 +147,39 @@ def _listing(kind: str, name: str | None, fmt: str, options: bool) -> None:
 
 NameArg = typer.Argument(None, help="Show one component.")
 OptionsOpt = typer.Option(False, "--options", help="Print the component's options with defaults.")
+KINDS = {"plugins": "plugin", "models": "model", "algos": "algorithm", "algorithms": "algorithm",
+         "engines": "engine", "rewards": "reward", "devices": "device", "trackers": "tracker"}
+KINDS.update({v: v for v in list(KINDS.values())} | {"algo": "algorithm"})
 
 
-@app.command("models")
-def models_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Installed models and their capabilities."""
-    _listing("model", name, fmt, options)
+@app.command("list")
+def list_cmd(
+    kind: str = typer.Argument("plugins", help="plugins, models, algos, engines, rewards, devices or trackers."),
+    name: str | None = NameArg,
+    fmt: str = FormatOpt,
+    options: bool = OptionsOpt,
+) -> None:
+    """Installed plugins (ok, broken with its error, or disabled), or the components of one kind: models and
+    their capabilities, algorithms and what they need, engines, rewards, devices (available here?), trackers.
+    With NAME: one component; --options: its options with defaults."""
+    _check_format(fmt)
+    if kind not in KINDS:
+        raise UsageError(f"Unknown kind '{kind}'.", hint="Choose one of: plugins, models, algos, engines, rewards, "
+                         "devices, trackers.")
+    if KINDS[kind] != "plugin":
+        _listing(KINDS[kind], name, fmt, options)
+        return
+    plugins = sorted(_manager().plugins.values(), key=lambda p: p.name)
+    rows = [p.as_dict() for p in plugins if name is None or p.name == name]
+    if name is not None and not rows:
+        raise UsageError(f"No plugin named '{name}'.", hint="See `omnirl list plugins`.")
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows, ["name", "status", "distribution", "version", "components", "error"])
 
 
-@app.command("algos")
-def algos_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Installed algorithms and the model capabilities they need."""
-    _listing("algorithm", name, fmt, options)
-
-
-@app.command("engines")
-def engines_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Installed rollout and training engines."""
-    _listing("engine", name, fmt, options)
-
-
-@app.command("rewards")
-def rewards_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Installed rewards."""
-    _listing("reward", name, fmt, options)
-
-
-@app.command("devices")
-def devices_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Hardware plugins and whether each device is available here."""
-    _listing("device", name, fmt, options)
-
-
-@app.command("trackers")
-def trackers_cmd(name: str | None = NameArg, fmt: str = FormatOpt, options: bool = OptionsOpt) -> None:
-    """Installed experiment trackers (train --tracker NAME)."""
-    _listing("tracker", name, fmt, options)
-
-
-# -- config and train -----------------------------------------------------------------------------
+# -- train ----------------------------------------------------------------------------------------
 
 def parse_reward(text: str, qualified: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
     """NAME, NAME:WEIGHT, PLUGIN:NAME or PLUGIN:NAME:WEIGHT (``qualified``: the installed rewards'
@@ -268,14 +249,24 @@ def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, st
     return layers
 
 
-ModelOpt = typer.Option(None, "--model", "-m", help="Model name (see `omnirl models`).")
-AlgoOpt = typer.Option(None, "--algo", "-a", help="Algorithm name (see `omnirl algos`).")
+ModelOpt = typer.Option(None, "--model", "-m", help="Model name (see `omnirl list models`).")
+AlgoOpt = typer.Option(None, "--algo", "-a", help="Algorithm name (see `omnirl list algos`).")
 PresetOpt = typer.Option(None, "--preset", help="Model preset, e.g. 'tiny' (random weights, built locally).")
 RewardOpt = typer.Option(None, "--reward", "-r", help="NAME[:WEIGHT], repeatable.")
 RecipeOpt = typer.Option(None, "--recipe", help="Recipe YAML.")
 SetOpt = typer.Option(None, "--set", help="KEY=VALUE override, repeatable (e.g. train.lr=3e-4).")
 TrackerOpt = typer.Option(None, "--tracker", help="Experiment tracker (tensorboard, wandb, ...), repeatable; "
                           "options with --set run.trackers.N.options.KEY=VALUE.")
+
+
+OutputDirOpt = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds this run).")
+StepsOpt = typer.Option(None, "--steps", help="Training steps.")
+DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda, ...")
+SeedOpt = typer.Option(None, "--seed", help="Run seed.")
+ExecutorOpt = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors).")
+RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray); default: "
+                             "start a local Ray instance.")
+DryRunOpt = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device.")
 
 
 @config_app.command("show")
@@ -286,26 +277,30 @@ def config_show(
     reward: list[str] | None = RewardOpt,
     recipe: str | None = RecipeOpt,
     overrides: list[str] | None = SetOpt,
+    output_dir: str | None = OutputDirOpt,
+    steps: int | None = StepsOpt,
+    device: str | None = DeviceOpt,
+    seed: int | None = SeedOpt,
+    executor: str | None = ExecutorOpt,
+    ray_address: str | None = RayAddressOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Accepted so that a train command pastes as is."),
+    tracker: list[str] | None = TrackerOpt,
     fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
 ) -> None:
-    """The resolved config (every key, with plugin options and defaults; secrets redacted)."""
+    """The resolved config (every key, with plugin options and defaults; secrets redacted). Takes every flag
+    `omnirl train` takes."""
     from omnirl_core.config import RunConfig
     from omnirl_core.resolve import resolve_run
 
-    layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, None, None)
+    manager = _manager()
+    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
+                          executor, ray_address, qualified={s.qualified_name for s in manager.registries["reward"]},
+                          trackers=tracker)
     if not (model or algo or recipe or overrides):
         data = RunConfig().model_dump(mode="json")
     else:
-        data = resolve_run(_manager(), layers, probe_device=False).dump()
+        data = resolve_run(manager, layers, probe_device=False).dump()
     typer.echo(json.dumps(data, indent=2) if fmt == "json" else yaml.safe_dump(data, sort_keys=False))
-
-
-def _run_dir(resolved, explicit: bool) -> Path:
-    cfg = resolved.config
-    if cfg.run.output_dir:
-        return Path(cfg.run.output_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{resolved.model.name}-{resolved.algorithm.name}-{stamp}"
 
 
 @app.command()
@@ -316,70 +311,35 @@ def train(
     reward: list[str] | None = RewardOpt,
     recipe: str | None = RecipeOpt,
     overrides: list[str] | None = SetOpt,
-    output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds "
-                                             "this run)."),
-    steps: int | None = typer.Option(None, "--steps", help="Training steps."),
-    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
-    seed: int | None = typer.Option(None, "--seed", help="Run seed."),
-    executor: str | None = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors)."),
-    ray_address: str | None = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor "
-                                              "ray); default: start a local Ray instance."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device."),
+    output_dir: str | None = OutputDirOpt,
+    steps: int | None = StepsOpt,
+    device: str | None = DeviceOpt,
+    seed: int | None = SeedOpt,
+    executor: str | None = ExecutorOpt,
+    ray_address: str | None = RayAddressOpt,
+    dry_run: bool = DryRunOpt,
     tracker: list[str] | None = TrackerOpt,
 ) -> None:
     """Train a model with an algorithm and rewards."""
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.rundir.rundir import RunDir
+    from omnirl_core.runtime.launch import Launch
 
     manager = _manager()
     layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
                           executor, ray_address,
                           qualified={s.qualified_name for s in manager.registries["reward"]}, trackers=tracker)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
-    from omnirl_core.runtime.trackers import resolve_trackers
-
-    resolve_trackers(manager, resolved.config, resolved)  # unknown trackers and bad options fail here
-    cfg = resolved.config
-    run_path = _run_dir(resolved, bool(output_dir))
-    dump = resolved.dump()
-    dump["run"]["output_dir"] = str(run_path)
-    run_dir = RunDir(run_path)
-    one_sided = run_dir.check(dump)
-    if one_sided:
-        _err(f"note: the run in '{run_path}' was saved by a version with other options; resuming with:\n"
-             + "\n".join(f"  {d}" for d in one_sided[:10]))
-    from omnirl_core.runtime.data import NoPromptsError, open_run_data
-
-    try:
-        data = open_run_data(resolved)  # the prompts are opened and checked before anything is written
-    except NoPromptsError as err:
-        if not dry_run:
-            raise
-        _err(f"warning: {err.render()}")  # the plan is shown; the run itself would stop here
-        data = None
+    launch = Launch.prepare(manager, resolved, dry_run=dry_run)
+    for note in launch.notes:
+        _err(f"note: {note}")
     if dry_run:
-        plan = {
-            "run_dir": str(run_path),
-            "model": f"{resolved.model.qualified_name} (preset {cfg.model.preset or '-'}, path "
-                     f"{cfg.model.path or resolved.model.default_path or '-'})",
-            "algorithm": resolved.algorithm.qualified_name,
-            "rollout_engine": resolved.rollout_engine.qualified_name,
-            "train_engine": resolved.train_engine.qualified_name,
-            "rewards": [f"{e.name} x{e.weight}{'' if e.required else ' (optional)'}" for e in cfg.rewards],
-            "device": cfg.run.device,
-            "executor": cfg.run.executor,
-            "samples_per_step": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-            "steps": cfg.run.steps,
-            "data": data.summary() if data is not None else "none (set data.prompts)",
-            "trackers": [t.name for t in cfg.run.trackers],
-            "eval_every": cfg.run.eval_every,
-            "config": dump,
-        }
-        typer.echo(yaml.safe_dump(plan, sort_keys=False))
+        if launch.data_problem:
+            _err(f"warning: {launch.data_problem}")
+        typer.echo(yaml.safe_dump(launch.plan(), sort_keys=False))
         return
-    resuming = run_dir.claim(dump, resolved.lock(manager))
-    _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
-    _train(resolved, run_path, data)
+    resuming = launch.claim(manager)
+    _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {launch.run_path} on {resolved.device.name}")
+    _train(resolved, launch.run_path, launch.data)
 
 
 def _train(resolved, run_path: Path, data=None) -> None:
@@ -419,6 +379,25 @@ def _train(resolved, run_path: Path, data=None) -> None:
         last = records[-1]
         _err(f"omnirl: done: {summary['steps']} steps, last reward/mean {last['reward/mean']:.4f}; "
              f"run directory {run_path}")
+
+
+# -- plugin authoring ------------------------------------------------------------------------------
+
+plugin_app = typer.Typer(help="Write plugins.", no_args_is_help=True)
+app.add_typer(plugin_app, name="plugin")
+
+
+@plugin_app.command("new")
+def plugin_new(
+    kind: str = typer.Argument(..., help="reward, algorithm, tracker or device."),
+    name: str = typer.Argument(..., help="The plugin's name, lowercase with dashes (e.g. my-reward)."),
+    parent: str = typer.Option(".", "--dir", help="Where to create the package directory NAME."),
+) -> None:
+    """A new plugin package that installs, is listed and passes its tests at once (pip install -e NAME)."""
+    from omnirl_core.scaffold import new_plugin
+
+    target = new_plugin(kind, name, Path(parent))
+    _err(f"omnirl: wrote {target}; next: pip install -e {target} && pytest {target}/tests")
 
 
 # -- evaluate, sample, report -------------------------------------------------------------------------

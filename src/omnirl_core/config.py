@@ -102,7 +102,7 @@ class RewardEntry(Section):
 
 
 class TrackerEntry(Section):
-    name: str = Field(..., description="Tracker component name, e.g. 'tensorboard' or 'wandb' (see `omnirl trackers`).")
+    name: str = Field(..., description="Tracker component name, e.g. 'tensorboard' or 'wandb' (see `omnirl list trackers`).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the tracker plugin.")
 
 
@@ -188,7 +188,6 @@ class RunSection(Section):
     )
     save_every: int = Field(50, ge=1, description="Checkpoint every N steps (and at the end).")
     sample_every: int = Field(10, ge=1, description="Save a sample grid every N steps.")
-    log_every: int = Field(1, ge=1, description="Progress update every N steps.")
     trackers: list[TrackerEntry] = Field(
         default_factory=list, description="Experiment trackers that receive every step's metrics and sample grids "
         "(metrics.jsonl is always written); a failing tracker is logged, never fails the run."
@@ -389,8 +388,3 @@ def validate_options(options: dict[str, Any], config_cls: type[BaseModel] | None
             details=problems,
             hint="See the plugin's options with `omnirl config show` or its README.",
         ) from exc
-
-
-def redacted_dump(model: BaseModel) -> dict[str, Any]:
-    """A JSON-safe dump with secrets shown as '**********'."""
-    return model.model_dump(mode="json")

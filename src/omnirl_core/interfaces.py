@@ -202,22 +202,6 @@ class Reward(Protocol):
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]: ...
 
 
-class Algorithm(Protocol):
-    """An RL algorithm over the model contract: rollout plan, advantages, training units and loss."""
-
-    def plan(self, step: int) -> RolloutPlan: ...
-
-    def assign_advantages(self, samples: list[Sample]) -> dict[str, float]: ...
-
-    def training_units(self, samples: list[Sample]) -> list[Any]: ...
-
-    def prepare(self, model: FlowModel, units: list[Any]) -> dict[str, float]:
-        """Called without grad before the update, one micro-batch at a time (old log-probs, reference)."""
-
-    def loss(self, model: FlowModel, units: list[Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Mean loss over ``units`` (with grad) and metrics to average."""
-
-
 class RolloutEngine(Protocol):
     def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
         """Generate every request; yields finished samples as they complete (possibly out of order)."""

@@ -69,7 +69,7 @@ FIRST_PARTY = frozenset({
     "omnirl-plugin-dpo", "omnirl-plugin-nft", "omnirl-plugin-gspo",
     "omnirl-plugin-color", "omnirl-plugin-jpeg", "omnirl-plugin-ocr", "omnirl-plugin-vlm-judge",
     "omnirl-plugin-answer-match", "omnirl-plugin-clipscore", "omnirl-plugin-pickscore", "omnirl-plugin-aesthetic",
-    "omnirl-plugin-hpsv2", "omnirl-plugin-imagereward",
+    "omnirl-plugin-hpsv2", "omnirl-plugin-imagereward", "omnirl-plugin-remote",
     "omnirl-plugin-tensorboard", "omnirl-plugin-wandb",
 })
 """Distributions of this repository: an unqualified name that a third-party plugin registers too resolves to

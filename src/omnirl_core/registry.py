@@ -231,7 +231,7 @@ class Registry:
                 f"Unknown {self.kind} '{name}'.{did_you_mean(short, known + aliases)} Installed: {installed}.",
                 hint=(
                     f"Install a plugin that provides it (pip install omnirl-plugin-<name>); "
-                    f"see `omnirl plugins list` and `omnirl {self.kind}s`."
+                    f"see `omnirl list plugins` and `omnirl list {self.kind}s`."
                 ),
             )
         options = ", ".join(s.qualified_name for s in candidates)

@@ -101,19 +101,25 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
                 f"Models with what {algo_spec.name} needs: {', '.join(able) or 'none installed'}.",
                 f"Algorithms that work with {model_spec.name}: {', '.join(fitting) or 'none installed'}.",
             ],
-            hint="Pick a compatible pair (see `omnirl models` and `omnirl algos`).",
+            hint="Pick a compatible pair (see `omnirl list models` and `omnirl list algos`).",
         )
 
+    if config.model.lora.enabled and "lora" not in model_spec.capabilities:
+        raise ConfigError(
+            f"Model '{model_spec.name}' cannot train a LoRA adapter (its capabilities: "
+            f"{', '.join(sorted(model_spec.capabilities))}).",
+            hint="Set model.lora.enabled=false (full fine-tuning).",
+        )
     rollout_spec: EngineSpec = manager.resolve("engine", config.rollout.engine)  # type: ignore[assignment]
     train_spec: EngineSpec = manager.resolve("engine", config.train.engine)  # type: ignore[assignment]
     for spec, role in ((rollout_spec, "rollout"), (train_spec, "train")):
         if role not in spec.roles:
             raise PluginError(
                 f"Engine '{spec.name}' cannot be the {role} engine (its roles: {', '.join(sorted(spec.roles))}).",
-                hint=f"Set {role}.engine to an engine with the '{role}' role (see `omnirl engines`).",
+                hint=f"Set {role}.engine to an engine with the '{role}' role (see `omnirl list engines`).",
             )
     if not config.rewards:
-        raise ConfigError("No reward given.", hint="Add --reward NAME (see `omnirl rewards`).")
+        raise ConfigError("No reward given.", hint="Add --reward NAME (see `omnirl list rewards`).")
     reward_specs: list[RewardSpec] = []
     for entry in config.rewards:
         spec: RewardSpec = manager.resolve("reward", entry.name)  # type: ignore[assignment]
@@ -122,7 +128,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
                 f"Reward '{spec.name}' scores {' or '.join(spec.modalities)} outputs, but model "
                 f"'{model_spec.name}' makes "
                 f"{', '.join(sorted(model_spec.capabilities & {'image', 'video', 'audio', 'text'}))}.",
-                hint="Pick a reward for this model's output (see `omnirl rewards`).",
+                hint="Pick a reward for this model's output (see `omnirl list rewards`).",
             )
         reward_specs.append(spec)
     names = [e.name for e in config.rewards]

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from omnirl_core.algorithm import Algorithm
 from omnirl_core.ar.sampling import completion_tokens
 from omnirl_core.config import RunConfig
 from omnirl_core.interfaces import RolloutPlan, Sample
@@ -69,19 +70,15 @@ def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tens
     }
 
 
-class TokenPolicyGradient:
+class TokenPolicyGradient(Algorithm):
     """Group-normalised advantages, old log-probs (recomputed or the rollout's), optional KL to the
     reference. Subclasses read ``adv_clip``, ``global_std`` and ``beta`` from their own config class."""
 
     reference_fields = ("ref_logprobs",)
-    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
-    pending_reference = None
-    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     def __init__(self, options: Any, config: RunConfig):
-        self.options = options
-        self.config = config
-        self.uses_reference = getattr(options, "beta", 0.0) > 0
+        super().__init__(options, config)
+        self.uses_reference = options.beta > 0
 
     def plan(self, step: int) -> RolloutPlan:
         return AR_PLAN
@@ -94,10 +91,6 @@ class TokenPolicyGradient:
     def training_units(self, samples: list[Sample]) -> list[SequenceUnit]:
         return [SequenceUnit(s) for s in samples]
 
-    @property
-    def recompute(self) -> bool:
-        return self.config.train.old_logprob == "recompute"
-
     def _logprobs(self, model: Any, units: list[SequenceUnit], untruncated: bool = False) -> list[torch.Tensor]:
         """Per-token log-probs under the sampling distribution, or (``untruncated``) without its top-k / top-p
         cut: a sampled token may lie outside the reference's top-k, where the cut distribution gives -inf."""
@@ -109,7 +102,7 @@ class TokenPolicyGradient:
                                     params)
 
     def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
-        """Without grad, before the update: old log-probs (recompute mode) and the reference's."""
+        """Without grad, before the update: old log-probs (recompute mode)."""
         metrics: dict[str, float] = {}
         if self.recompute:
             old = self._logprobs(model, units)
@@ -121,9 +114,6 @@ class TokenPolicyGradient:
             log_w = sequence_log_weights(logp, rollout, mask, self.config.train.rs_aggregate)
             for u, w in zip(units, log_w.tolist()):
                 u.log_weight = w
-        if self.uses_reference and self.pending_reference is None and any(u.ref_logprobs is None for u in units):
-            with model.reference():
-                self.reference_prepare(model, units)
         return metrics
 
     def reference_prepare(self, model: Any, units: list[SequenceUnit]) -> None:

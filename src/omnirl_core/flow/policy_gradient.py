@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.flow.sampler import gaussian_kl, step_mean, transition_logprob
 from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
@@ -91,23 +92,19 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> to
     return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
 
 
-class FlowPolicyGradient:
+class FlowPolicyGradient(Algorithm):
     """FlowGRPO's structure. Subclasses read these option names from their own config class:
     ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
 
     reference_fields = ("ref_mean",)
-    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
-    pending_reference = None
-    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     needs_old_mean = False
     """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``
     then computes them in bypass mode too."""
 
     def __init__(self, options: Any, config: RunConfig):
-        self.options = options
-        self.config = config
-        self.uses_reference = getattr(options, "beta", 0.0) > 0
+        super().__init__(options, config)
+        self.uses_reference = options.beta > 0
         self.num_steps = config.rollout.num_steps
 
     # -- rollout -------------------------------------------------------------------------------
@@ -123,12 +120,8 @@ class FlowPolicyGradient:
         return [Transition(s, j) for s in samples for j in s.request.plan.train_steps]
 
     # -- update --------------------------------------------------------------------------------
-    @property
-    def recompute(self) -> bool:
-        return self.config.train.old_logprob == "recompute"
-
     def prepare(self, model: Any, units: list[Transition]) -> dict[str, float]:
-        """Without grad, before the update: old log-probs (recompute mode) and the reference means."""
+        """Without grad, before the update: old log-probs (recompute mode)."""
         metrics: dict[str, float] = {}
         eta = units[0].sample.request.plan.eta
         if self.recompute or self.needs_old_mean:
@@ -140,9 +133,6 @@ class FlowPolicyGradient:
             if self.recompute:
                 # rollout correction: the trainer-vs-rollout mismatch of every step, before any update
                 metrics.update(step_diagnostics(record_deltas(units, logp)))
-        if self.uses_reference and self.pending_reference is None and any(u.ref_mean is None for u in units):
-            with model.reference():
-                self.reference_prepare(model, units)
         return metrics
 
     def reference_prepare(self, model: Any, units: list[Transition]) -> None:

@@ -33,6 +33,10 @@ CHECKSUMS = "checksums.json"
 TRAINER_STATE = "trainer_state.json"
 METRICS_COPY = "metrics.jsonl"
 TMP_PREFIX = ".tmp-step-"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+ALGORITHM_STATE = "algorithm.json"
+ALGORITHM_TENSORS = "algorithm.safetensors"
 STEP_DIR = re.compile(r"step-(\d{6,})")
 
 
@@ -69,6 +73,59 @@ def optimizer_from_tensors(optimizer: Any, tensors: dict[str, Any], meta: dict[s
 
 
 # -- files -----------------------------------------------------------------------------------------
+
+def save_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any, rank: int) -> list[str]:
+    """A train worker's part of a checkpoint: the trained weights in the layout diffusers / peft read (rank 0),
+    the optimizer (rank 0; a sharded engine (``trainer.sharded``) writes every rank's shard itself), and the
+    algorithm's own state (rank 0: an EMA sampler policy, a reference snapshot)."""
+    from safetensors.torch import save_file
+
+    from omnirl_core.runtime.weight_sync import export_trained_state
+
+    files: list[str] = []
+    if getattr(trainer, "sharded", False):
+        files = trainer.save_shards(directory)  # a collective: every rank
+        full = export_trained_state(model, trainer)
+        if rank == 0:
+            files += model.save_trained(directory, state=full)
+    elif rank == 0:
+        files = model.save_trained(directory)
+        tensors, meta = optimizer_to_tensors(trainer.optimizer)
+        save_file(tensors, str(directory / OPTIMIZER_TENSORS))
+        (directory / OPTIMIZER_META).write_text(json.dumps(meta))
+        files += [OPTIMIZER_TENSORS, OPTIMIZER_META]
+    if rank == 0 and algorithm is not None:
+        state = algorithm.state()
+        if state:
+            (directory / ALGORITHM_STATE).write_text(json.dumps(state, indent=2))
+            files.append(ALGORITHM_STATE)
+        tensors = algorithm.state_tensors()
+        if tensors:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                      str(directory / ALGORITHM_TENSORS))
+            files.append(ALGORITHM_TENSORS)
+    return files
+
+
+def load_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any) -> None:
+    """Load what ``save_worker_files`` wrote (``verify`` has checked every file). A worker without a trainer
+    (a rollout worker) loads the trained weights only."""
+    from safetensors.torch import load_file
+
+    if getattr(trainer, "sharded", False):
+        trainer.load_shards(directory)
+    else:
+        model.load_trained(directory)
+        if trainer is not None and (directory / OPTIMIZER_TENSORS).is_file():
+            optimizer_from_tensors(trainer.optimizer, load_file(str(directory / OPTIMIZER_TENSORS)),
+                                   read_json(directory / OPTIMIZER_META))
+    if trainer is None or algorithm is None:
+        return
+    if (directory / ALGORITHM_STATE).is_file():
+        algorithm.load_state(read_json(directory / ALGORITHM_STATE))
+    if (directory / ALGORITHM_TENSORS).is_file():
+        algorithm.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)
+
 
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()

@@ -23,7 +23,7 @@ RUNTIME_FILE = "runtime.json"
 _HELD: dict[Path, int] = {}  # run directories this process holds (flock is per open file, not per process)
 # keys that may differ between invocations of one run (a resumed run may train longer)
 RUN_IDENTITY_IGNORES = (
-    "run.steps", "run.output_dir", "run.save_every", "run.sample_every", "run.log_every",
+    "run.steps", "run.output_dir", "run.save_every", "run.sample_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
     "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
     "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",

@@ -22,6 +22,7 @@ from omnirl_core.runtime.executors import make_executor
 from omnirl_core.runtime.interrupts import StopSignals
 from omnirl_core.runtime.rewards import RewardHealth
 from omnirl_core.runtime.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
+from omnirl_core.runtime.worker import build_algorithm
 
 log = logging.getLogger("omnirl")
 
@@ -49,7 +50,8 @@ class Controller:
         self.cfg = resolved.config
         self.run_dir = RunDir(run_dir)
         self.on_step = on_step
-        self.algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), self.cfg)
+        self.algorithm = build_algorithm(resolved)  # the controller's instance: plan, advantages, units
+        self.old_logprob = self.cfg.train.old_logprob  # rollout correction's current mode (may fall back)
         self.executor = make_executor(resolved)
         self.data = data if data is not None else open_run_data(resolved)
         self.records = self.data.train
@@ -93,7 +95,7 @@ class Controller:
         self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
         clean_partial(self.run_dir.path)
         self.run_dir.save_runtime({"threads": configure(self.cfg.run.threads).as_dict()})
-        self.executor.setup(self.algorithm)
+        self.executor.setup()
         ckpt = latest_checkpoint(self.run_dir.path)
         if ckpt is None:
             self.run_dir.restore_metrics(b"")  # rows of an attempt that died before its first checkpoint
@@ -102,7 +104,7 @@ class Controller:
         self.start_step = int(state["step"]) + 1
         correction = state.get("correction", {})
         self.fallback.load_state(correction)
-        if correction.get("old_logprob", self.cfg.train.old_logprob) != self.cfg.train.old_logprob:
+        if correction.get("old_logprob", self.old_logprob) != self.old_logprob:
             self.set_old_logprob(correction["old_logprob"])
         self.reward_health.load_state(state.get("rewards", {}))
         self.run_dir.restore_metrics(metrics_copy(ckpt))
@@ -112,14 +114,14 @@ class Controller:
         from omnirl_core.rundir.checkpoint import save_checkpoint
 
         # the algorithm's own state is written by the actor worker, where it lives (algorithm.json)
-        extra = {"correction": {"old_logprob": self.cfg.train.old_logprob, **self.fallback.state()},
+        extra = {"correction": {"old_logprob": self.old_logprob, **self.fallback.state()},
                  "rewards": self.reward_health.state()}
         return save_checkpoint(self.run_dir.path, step, self.executor.save_state, extra,
                                self.run_dir.metrics_bytes())
 
     def set_old_logprob(self, mode: str) -> None:
-        """Switch the rollout-correction mode for the following steps (every worker's algorithm reads it)."""
-        self.cfg.train.old_logprob = mode
+        """Switch the rollout-correction mode for the following steps (every actor's algorithm reads it)."""
+        self.old_logprob = mode
         self.executor.set_old_logprob(mode)
 
     def collect(self, step: int) -> tuple[list[Sample], dict[str, Any]]:
@@ -137,9 +139,9 @@ class Controller:
         t1 = time.perf_counter()
         adv_metrics = self.algorithm.assign_advantages(samples)
         units = self.algorithm.training_units(samples)
-        train_metrics = self.executor.update(self.algorithm, units, step)
-        train_metrics["correction/recompute"] = float(self.cfg.train.old_logprob == "recompute")
-        if self.fallback.observe(self.cfg.train.old_logprob, train_metrics):
+        train_metrics = self.executor.update(units, step)
+        train_metrics["correction/recompute"] = float(self.old_logprob == "recompute")
+        if self.fallback.observe(self.old_logprob, train_metrics):
             log.warning(
                 "rollout correction: the RS mask rejected more than %.0f%% of the samples for %d steps in a row "
                 "(last: %.1f%%); the rollout's log-probs no longer stand in for the old policy. Switching to "

@@ -285,10 +285,6 @@ def load_records(source: str | list[Any], prompt_column: str = "prompt", dataset
     return _as_prompts(data, prompt_column, where)
 
 
-def load_prompts(source: str | list[Any]) -> list[str]:
-    return [record["prompt"] for record in load_records(source)]
-
-
 # -- the split --------------------------------------------------------------------------------------
 
 @dataclass
@@ -449,12 +445,35 @@ def open_run_data(resolved: Any) -> PromptData:
                 break
     data = load_data(resolved.config.data, default, name)
     check_reward_fields(resolved, data)
+    check_media_fields(resolved, data)
     if resolved.config.run.eval_every is not None and not data.test:
         raise ConfigError(f"run.eval_every = {resolved.config.run.eval_every}, but the prompts ({data.source}) have "
                           "no test split to evaluate on.",
                           hint="Give held-out prompts: data.test_prompts=FILE, data.test_fraction=0.1, or a data "
                           "set with a test split (e.g. data.prompts=builtin:colors).")
     return data
+
+
+MEDIA_FIELDS = {"image": "image-input", "audio": "audio-input", "video": "video-input"}
+"""Prompt-record fields that hold media the model reads, and the model capability that reads them."""
+
+
+def check_media_fields(resolved: Any, data: PromptData) -> None:
+    """A record with an image, audio or video input needs a model that reads that input: otherwise the
+    model would ignore it without a word."""
+    read_by_rewards = {f for spec in resolved.rewards if not isinstance(spec.input_fields, str)
+                       for f in spec.input_fields}
+    for field, capability in MEDIA_FIELDS.items():
+        if capability in resolved.model.capabilities or field in read_by_rewards:
+            continue
+        for split, records in (("train", data.train), ("test", data.test or [])):
+            first = next((n for n, record in enumerate(records) if record.get(field) not in (None, "", [])), None)
+            if first is not None:
+                raise ConfigError(
+                    f"The prompt data ({data.source}) has '{field}' inputs ({split} record {first + 1}, prompt "
+                    f"{records[first]['prompt'][:50]!r}), but model '{resolved.model.name}' does not read {field} "
+                    "inputs.", hint=f"Pick a model with the '{capability}' capability (see `omnirl list models`), "
+                    f"or remove the '{field}' field from the data.")
 
 
 def check_reward_fields(resolved: Any, data: PromptData) -> None:

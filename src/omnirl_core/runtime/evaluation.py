@@ -260,7 +260,7 @@ def default_algorithm(manager: Any, model_name: str) -> str:
     fitting = [a.qualified_name for a in manager.registries["algorithm"] if a.requires <= model.capabilities]
     if not fitting:
         raise UsageError(f"No installed algorithm works with model '{model.name}'.",
-                         hint="Pass --algo NAME (see `omnirl algos`).")
+                         hint="Pass --algo NAME (see `omnirl list algos`).")
     return fitting[0]
 
 

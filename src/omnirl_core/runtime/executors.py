@@ -5,9 +5,9 @@ process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``o
 imported only when selected).
 
 The interface the controller uses:
-  setup(algorithm)                          build the workers
+  setup()                                   build the workers (each builds its own algorithm instance)
   rollout(requests) -> (samples, metrics)   generate and score; async rewards overlap the rollout
-  update(algorithm, units, step) -> metrics one training step on the actor group
+  update(units, step) -> metrics            one training step on the actor group
   sync_weights() -> metrics                 actor -> rollout weights (nothing when colocated)
   set_old_logprob(mode)                     rollout-correction mode of the actor workers' algorithms
   save_state(dir) / load_state(dir)         the workers' files of a checkpoint
@@ -53,12 +53,13 @@ class InlineExecutor:
     def trainer(self) -> Any:
         return self.worker.trainer if self.worker else None
 
-    def setup(self, algorithm: Any) -> None:
+    def setup(self) -> None:
         run = self.resolved.config.run
-        self.worker = Worker(self.resolved, {"actor", "rollout"}, algorithm=algorithm)
+        self.worker = Worker(self.resolved, {"actor", "rollout"})
         self.worker.setup()
-        if reference_placement(self.resolved, algorithm) == "separate":
-            self.reference = Worker(self.resolved, {"reference"}, algorithm=algorithm)
+        assert self.worker.algorithm is not None
+        if reference_placement(self.resolved, self.worker.algorithm) == "separate":
+            self.reference = Worker(self.resolved, {"reference"})
             self.reference.setup()
         self.rewards = build_rewards(self.resolved)
         self.stream = RewardStream(self.rewards, run.reward_workers * run.reward_concurrency, run.reward_mode)
@@ -102,12 +103,12 @@ class InlineExecutor:
         assert self.rewards is not None
         self.rewards.score(samples)
 
-    def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, units: list[Any], step: int) -> dict[str, float]:
         assert self.worker is not None
         if self.reference is None:
-            return self.worker.update(units, step, algorithm)
+            return self.worker.update(units, step)
         reference = self.reference
-        return self.worker.update(units, step, algorithm, reference=lambda: reference.reference_outputs(units))
+        return self.worker.update(units, step, reference=lambda: reference.reference_outputs(units))
 
     def sync_weights(self) -> dict[str, float]:
         return {}  # one model serves rollout and training

@@ -194,8 +194,10 @@ class RayExecutor:
         strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
         return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
 
-    def setup(self, algorithm: Any) -> None:
+    def setup(self) -> None:
         import ray
+
+        from omnirl_core.runtime.worker import build_algorithm
 
         self._connect()
         r = self.resolved
@@ -203,7 +205,7 @@ class RayExecutor:
         resource = r.device.ray_resource if r.device else "CPU"
         worker_opts = _actor_resources(resource, run.worker_cpus)
         train_roles = ["actor", "rollout"] if self.colocated else ["actor"]
-        separate_reference = reference_placement(r, algorithm) == "separate"
+        separate_reference = reference_placement(r, build_algorithm(r)) == "separate"
         reward_opts = self._reward_options()
         self._check_capacity({
             "train": [_bundle(worker_opts)] * run.train_workers,
@@ -307,7 +309,7 @@ class RayExecutor:
         self._next_reward += 1
         return actor
 
-    def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, units: list[Any], step: int) -> dict[str, float]:
         """Every rank gets the units (one copy in the object store) and runs its own algorithm instance,
         built from the same config; metrics are reduced across ranks by the engine."""
         import ray

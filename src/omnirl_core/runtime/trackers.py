@@ -90,7 +90,7 @@ def resolve_trackers(manager: Any, config: Any, resolved: Any = None) -> list[Re
         out.append(ResolvedTracker(entry.name, spec, options))
     if problems:
         raise ConfigError(f"Invalid tracker options: {len(problems)} problem(s).", details=problems,
-                          hint="See each tracker's options with `omnirl trackers NAME --options`.")
+                          hint="See each tracker's options with `omnirl list trackers NAME --options`.")
     return out
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
+from omnirl_core.algorithm import Algorithm, lacks_reference
 from omnirl_core.errors import OmnirlError
 
 
@@ -101,22 +103,36 @@ class MetricMean:
         return out
 
 
-def prepare_all(algorithm: Any, model: Any, units: list[Any], micro_batch_size: int, metrics: MetricMean) -> None:
-    """``algorithm.prepare`` over every unit, without grad (old log-probs, reference outputs).
+def prepare_all(algorithm: Algorithm, model: Any, units: list[Any], micro_batch_size: int, metrics: MetricMean,
+                reference: Callable[[], list[dict[str, Any]]] | None = None) -> None:
+    """The no-grad pass before the update: ``algorithm.prepare`` over every unit in micro-batches (old
+    log-probs), then the reference policy's outputs when the algorithm uses a reference.
 
-    With a separate reference worker, the worker sets ``algorithm.pending_reference`` (a callable that waits
-    for that worker's outputs): ``prepare`` then skips the reference, so the actor's own no-grad pass runs
-    while the reference worker computes, and the outputs are attached here, before any loss."""
+    ``reference``: None evaluates the reference here (``model.reference()``: the adapters disabled, or the
+    frozen copy); otherwise a callable that waits for a separate reference worker's outputs for ``units``. It
+    is called after the actor's own pass, so that pass overlaps the reference worker's."""
     import torch
 
     with torch.no_grad():
         for micro in chunks(units, micro_batch_size):
             metrics.add(algorithm.prepare(model, micro), len(micro))
-    pending = getattr(algorithm, "pending_reference", None)
-    if pending is not None:
-        from omnirl_core.runtime.worker import attach_reference
+        if not algorithm.uses_reference:
+            return
+        if reference is not None:
+            attach_reference(units, reference())
+        elif lacks_reference(algorithm, units):
+            with model.reference():
+                for micro in chunks(units, micro_batch_size):
+                    algorithm.reference_prepare(model, micro)
 
-        attach_reference(units, pending())
+
+def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
+    """Put a reference worker's outputs (``Worker.reference_outputs``) on the actor's copy of the units."""
+    if len(payload) != len(units):
+        raise RuntimeError(f"reference worker returned {len(payload)} results for {len(units)} units")
+    for unit, fields in zip(units, payload):
+        for name, value in fields.items():
+            setattr(unit, name, value)
 
 
 def sample_blocks(units: list[Any]) -> list[list[Any]]:
@@ -147,21 +163,20 @@ def rank_share(units: list[Any], rank: int, world_size: int) -> list[Any]:
     return [u for block in sample_blocks(units)[rank::world_size] for u in block]
 
 
-def rs_corrections(algorithm: Any, units: list[Any], metrics: MetricMean, filler: list[Any] = ()) -> list[Any]:
+def rs_corrections(algorithm: Algorithm, units: list[Any], metrics: MetricMean, filler: list[Any] = ()) -> list[Any]:
     """After a minibatch's micro-batches, before its optimizer step: the algorithm's sequence-level
     diagnostics over the whole samples, and the units whose rejection-sampling mask changed once all of
     their sample's steps were seen (bypass mode). The engine re-runs those with ``loss(..., correction=True)``,
     which adds (final mask - applied mask) x their loss, so the gradient equals masking with the final
-    weights from the start. Rejections are rare, so this costs little; algorithms without the method: [].
+    weights from the start. Rejections are rare, so this costs little.
     ``filler``: units evaluated on this rank only to join the collectives; with no units of its own the rank
     reports the diagnostics' names from them at weight 0 (ranks must report the same metric names)."""
-    finish = getattr(algorithm, "finish_minibatch", None)
-    if finish is None or not (units or filler):
+    if not (units or filler):
         return []
     if not units:
-        metrics.add({**finish(list(filler))[1], "rs/corrected_units": 0.0}, 0.0)
+        metrics.add({**algorithm.finish_minibatch(list(filler))[1], "rs/corrected_units": 0.0}, 0.0)
         return []
-    fix, seq_metrics = finish(units)
+    fix, seq_metrics = algorithm.finish_minibatch(units)
     metrics.add(seq_metrics, len(sample_blocks(units)))
     metrics.add({"rs/corrected_units": float(len(fix))}, 1.0)
     return fix

@@ -11,13 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def sync_mode(colocated: bool, lora: bool) -> str:
-    """'none' (one model serves both), 'lora' (adapter weights only) or 'full' (every denoiser weight)."""
-    if colocated:
-        return "none"
-    return "lora" if lora else "full"
-
-
 def cpu_copy(tensor: Any) -> Any:
     """A detached, contiguous CPU tensor that shares no storage with ``tensor``: an exported state must not
     change when the live parameters do (a swap restored after the export, the next update). Copies once."""

@@ -8,47 +8,45 @@ inside Ray actors, so both executors compute the very same numbers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.errors import UsageError
+from omnirl_core.algorithm import Algorithm
+from omnirl_core.errors import PluginError, UsageError
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.runtime.weight_sync import export_trained_state, import_trained_state
 
 ROLES = frozenset({"actor", "rollout", "reference"})
-OPTIMIZER_META = "optimizer.json"
 
 
-def build_algorithm(resolved: ResolvedRun) -> Any:
-    return resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), resolved.config)
+def build_algorithm(resolved: ResolvedRun) -> Algorithm:
+    """One instance of the run's algorithm (each role builds its own: see ``omnirl_core.algorithm``)."""
+    algorithm = resolved.algorithm.load_factory()(resolved.options.get("algorithm.options"), resolved.config)
+    if not isinstance(algorithm, Algorithm):
+        raise PluginError(
+            f"Algorithm '{resolved.algorithm.name}' built a {type(algorithm).__name__}, not an "
+            "omnirl_core.algorithm.Algorithm.",
+            hint="Subclass omnirl_core.algorithm.Algorithm (or FlowPolicyGradient / TokenPolicyGradient).",
+        )
+    return algorithm
 
 
-def reference_placement(resolved: ResolvedRun, algorithm: Any) -> str | None:
+def reference_placement(resolved: ResolvedRun, algorithm: Algorithm) -> str | None:
     """Where the run's reference policy is evaluated: None (the algorithm uses none), 'actor' or 'separate'."""
-    if not (resolved.algorithm.needs_reference and getattr(algorithm, "uses_reference", True)):
+    if not (resolved.algorithm.needs_reference and algorithm.uses_reference):
         return None
     if resolved.config.run.reference == "actor":
         return "actor"
-    if not hasattr(algorithm, "reference_prepare"):
+    if not algorithm.reference_fields:
         raise UsageError(
             f"Algorithm '{resolved.algorithm.name}' evaluates its reference inside the actor only; "
             "run.reference=separate needs an algorithm with reference_prepare / reference_fields.",
             hint="Set run.reference=actor.",
         )
     return "separate"
-
-
-def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
-    """Put a reference worker's outputs (``Worker.reference_outputs``) on the actor's copy of the units."""
-    if len(payload) != len(units):
-        raise RuntimeError(f"reference worker returned {len(payload)} results for {len(units)} units")
-    for unit, fields in zip(units, payload):
-        for name, value in fields.items():
-            setattr(unit, name, value)
 
 
 def torch_device(resolved: ResolvedRun) -> Any:
@@ -67,14 +65,13 @@ def torch_device(resolved: ResolvedRun) -> Any:
 
 
 class Worker:
-    def __init__(self, resolved: ResolvedRun, roles: frozenset[str] | set[str], algorithm: Any = None,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, resolved: ResolvedRun, roles: frozenset[str] | set[str], rank: int = 0, world_size: int = 1):
         unknown = set(roles) - ROLES
         if unknown or not roles:
             raise ValueError(f"worker roles must be a non-empty subset of {sorted(ROLES)}, got {sorted(roles)}")
         self.resolved = resolved
         self.roles = frozenset(roles)
-        self.algorithm = algorithm
+        self.algorithm: Algorithm | None = None  # the actor's (or reference's) own instance
         self.rank = rank
         self.world_size = world_size
         self.model: Any = None
@@ -84,6 +81,7 @@ class Worker:
     def setup(self) -> None:
         import torch
 
+        from omnirl_core.runtime.quiet import show_repeats_once
         from omnirl_core.runtime.threads import configure
 
         r = self.resolved
@@ -93,10 +91,11 @@ class Worker:
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
         self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
+        show_repeats_once()  # the libraries' loggers exist now; a warning per prompt would flood stderr
         # again after loading: adapters are initialised from torch's global random state, which loading
         # code may have used (or not, when a cache already held the model)
         torch.manual_seed(cfg.run.seed)
-        if self.algorithm is None and self.roles & {"actor", "reference"}:
+        if self.roles & {"actor", "reference"}:
             self.algorithm = build_algorithm(r)
         if "actor" in self.roles:
             # with a separate reference worker the actor keeps no frozen copy (full fine-tuning)
@@ -114,10 +113,10 @@ class Worker:
 
     # -- rollout -------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
-        # optional algorithm hook: roll out with other weights than the trained ones (DiffusionNFT's EMA
-        # sampler policy); a context manager around the whole rollout
-        hook = getattr(self.algorithm, "rollout_policy", None)
-        with hook(self.model) if hook is not None else nullcontext():
+        # the actor's algorithm may roll out with other weights than the trained ones (DiffusionNFT's EMA
+        # sampler policy); a separate rollout worker gets those through ``sync_policy`` instead
+        colocated = self.algorithm is not None and "actor" in self.roles
+        with self.algorithm.rollout_policy(self.model) if colocated else nullcontext():
             yield from self.rollout.generate(requests)
 
     # -- reference -----------------------------------------------------------------------------
@@ -128,7 +127,7 @@ class Worker:
 
         from omnirl_core.runtime.training import chunks
 
-        context = self.model.reference() if getattr(self.model, "lora", None) is not None else nullcontext()
+        context = self.model.reference() if self.model.lora is not None else nullcontext()
         with torch.no_grad(), context:
             for micro in chunks(units, self.resolved.config.train.micro_batch_size):
                 self.algorithm.reference_prepare(self.model, micro)
@@ -136,34 +135,26 @@ class Worker:
         return [{name: getattr(u, name) for name in fields} for u in units]
 
     # -- training ------------------------------------------------------------------------------
-    def update(self, units: list[Any], step: int, algorithm: Any = None,
+    def update(self, units: list[Any], step: int,
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
         fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
-        algorithm = algorithm or self.algorithm
-        algorithm.pending_reference = reference
-        try:
-            metrics = self.trainer.update(algorithm, units, step)
-        finally:
-            algorithm.pending_reference = None
-        # optional algorithm hook after the optimizer steps (DiffusionNFT folds them into its EMA sampler)
-        if hasattr(algorithm, "after_update"):
-            algorithm.after_update(self.model)
+        assert self.algorithm is not None
+        metrics = self.trainer.update(self.algorithm, units, step, reference=reference)
+        self.algorithm.after_update(self.model)  # e.g. DiffusionNFT folds the update into its EMA sampler
         return metrics
 
     def set_old_logprob(self, mode: str) -> None:
         """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""
-        self.resolved.config.train.old_logprob = mode
-        if self.algorithm is not None and getattr(self.algorithm, "config", None) is not None:
-            self.algorithm.config.train.old_logprob = mode
+        if self.algorithm is not None:
+            self.algorithm.old_logprob = mode
 
     # -- weight sync ---------------------------------------------------------------------------
     def trained_state(self) -> dict[str, Any] | None:
         """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0. An
         algorithm that samples with other weights than the trained ones (DiffusionNFT's EMA) swaps them in
         for the export through its optional ``sync_policy(model)`` hook."""
-        hook = getattr(self.algorithm, "sync_policy", None)
-        with hook(self.model) if hook is not None else nullcontext():
+        with self.algorithm.sync_policy(self.model) if self.algorithm is not None else nullcontext():
             state = export_trained_state(self.model, self.trainer)  # copies: the hook's swap is undone after
         return state if self.rank == 0 else None
 
@@ -172,76 +163,14 @@ class Worker:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, directory: str | Path) -> list[str]:
-        """Write this worker's part of a checkpoint into ``directory``: the trained weights in the layout
-        diffusers reads (rank 0), the optimizer (rank 0, or every rank's shard for a sharded engine), and
-        the algorithm's own state (rank 0; e.g. an EMA sampler policy or a reference snapshot)."""
-        from safetensors.torch import save_file
+        """Write this worker's part of a checkpoint into ``directory`` (``omnirl_core.rundir.checkpoint``
+        defines the files)."""
+        from omnirl_core.rundir.checkpoint import save_worker_files
 
-        from omnirl_core.rundir.checkpoint import optimizer_to_tensors
-
-        directory = Path(directory)
-        if hasattr(self.trainer, "save_shards"):
-            files = self.trainer.save_shards(directory)
-            full = export_trained_state(self.model, self.trainer)
-            if self.rank == 0:
-                files += self.model.save_trained(directory, state=full)
-        elif self.rank == 0:
-            files = self.model.save_trained(directory)
-            tensors, meta = optimizer_to_tensors(self.trainer.optimizer)
-            save_file(tensors, str(directory / "optimizer.safetensors"))
-            (directory / OPTIMIZER_META).write_text(json.dumps(meta))
-            files += ["optimizer.safetensors", OPTIMIZER_META]
-        else:
-            files = []
-        if self.rank == 0:
-            files += save_algorithm_state(self.algorithm, directory)
-        return files
+        return save_worker_files(Path(directory), self.model, self.trainer, self.algorithm, self.rank)
 
     def load_state(self, directory: str | Path) -> None:
-        """Load what ``save_state`` wrote (``omnirl_core.rundir.checkpoint`` has verified every file)."""
-        from safetensors.torch import load_file
+        """Load what ``save_state`` wrote (every file's checksum has been verified)."""
+        from omnirl_core.rundir.checkpoint import load_worker_files
 
-        from omnirl_core.rundir.checkpoint import optimizer_from_tensors, read_json
-
-        directory = Path(directory)
-        if hasattr(self.trainer, "load_shards"):
-            self.trainer.load_shards(directory)
-        else:
-            self.model.load_trained(directory)
-            if self.trainer is not None and (directory / "optimizer.safetensors").is_file():
-                meta = read_json(directory / OPTIMIZER_META)
-                optimizer_from_tensors(self.trainer.optimizer, load_file(str(directory / "optimizer.safetensors")),
-                                       meta)
-        if self.trainer is not None:
-            load_algorithm_state(self.algorithm, self.model, directory)
-
-
-ALGORITHM_STATE = "algorithm.json"
-ALGORITHM_TENSORS = "algorithm.safetensors"
-
-
-def save_algorithm_state(algorithm: Any, directory: Path) -> list[str]:
-    """An algorithm's checkpointed state: ``state()`` (JSON) and ``state_tensors()`` (safetensors), both
-    optional hooks; they live in the actor worker, where the algorithm updates them."""
-    from safetensors.torch import save_file
-
-    files = []
-    if hasattr(algorithm, "state"):
-        (directory / ALGORITHM_STATE).write_text(json.dumps(algorithm.state(), indent=2))
-        files.append(ALGORITHM_STATE)
-    tensors = algorithm.state_tensors() if hasattr(algorithm, "state_tensors") else {}
-    if tensors:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(directory / ALGORITHM_TENSORS))
-        files.append(ALGORITHM_TENSORS)
-    return files
-
-
-def load_algorithm_state(algorithm: Any, model: Any, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    from omnirl_core.rundir.checkpoint import read_json
-
-    if (directory / ALGORITHM_STATE).is_file() and hasattr(algorithm, "load_state"):
-        algorithm.load_state(read_json(directory / ALGORITHM_STATE))
-    if (directory / ALGORITHM_TENSORS).is_file() and hasattr(algorithm, "load_state_tensors"):
-        algorithm.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)
+        load_worker_files(Path(directory), self.model, self.trainer, self.algorithm)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
@@ -123,15 +124,12 @@ def load_image(path: str, height: int, width: int) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
-class DiffusionDPO:
+class DiffusionDPO(Algorithm):
     reference_fields = ("ref_error",)
-    """What ``reference_prepare`` stores on each pair (a separate reference worker sends these back)."""
-    pending_reference = None
-    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     def __init__(self, options: DPOConfig | None, config: RunConfig):
-        self.options = o = options or DPOConfig()
-        self.config = config
+        super().__init__(options or DPOConfig(), config)
+        o = self.options
         self.uses_reference = o.ref_update_every is None
         self.snapshot: ShadowParameters | None = None
         self._snapshot_step = 0
@@ -277,14 +275,11 @@ class DiffusionDPO:
             self._snapshot_step = step
 
     def prepare(self, model: Any, units: list[PreferencePair]) -> dict[str, float]:
-        """Without grad: encode offline pairs, and the reference errors of every pair."""
+        """Without grad: encode offline pairs; with an online reference snapshot (``ref_update_every``), its
+        errors (the base model's, ``uses_reference``, come through ``reference_prepare``)."""
         if units[0].chosen is None:
             self._encode_offline(model, units)
-        if self.uses_reference:
-            if self.pending_reference is None and any(u.ref_error is None for u in units):
-                with model.reference():
-                    self.reference_prepare(model, units)
-        else:
+        if not self.uses_reference:
             self._refresh_snapshot(model, units[0].step)
             assert self.snapshot is not None
             with self.snapshot.swapped():

@@ -12,6 +12,7 @@ from omnirl_plugin_gspo.algorithm import GRPO, GSPO, GRPOConfig, GSPOConfig
 
 from omnirl_core.ar.policy_gradient import SequenceUnit, padded
 from omnirl_core.config import RunConfig
+from omnirl_core.runtime.training import MetricMean, prepare_all
 from omnirl_core.testing import run_train
 
 PLUGIN = Path(__file__).resolve().parents[1] / "omnirl_plugin_gspo"
@@ -116,8 +117,9 @@ def test_kl_to_the_reference_is_the_k3_estimate():
     assert algo.uses_reference
     units = [SequenceUnit(s) for s in samples]
     policy = _FakePolicy(current, ref)
-    metrics = algo.prepare(policy, units)
-    assert metrics["logprob/abs_delta_max"] == 0.0
+    metrics = MetricMean()
+    prepare_all(algo, policy, units, 8, metrics)  # the runtime's no-grad pass: old log-probs, then the reference
+    assert metrics.result()["logprob/abs_delta_max"] == 0.0
     loss, m = algo.loss(policy, units)
 
     def k3(d: float) -> float:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
@@ -100,15 +101,12 @@ def _adaptive(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     return mean_over_dims(err**2) / weight
 
 
-class DiffusionNFT:
+class DiffusionNFT(Algorithm):
     reference_fields = ("v_ref",)
-    """What ``reference_prepare`` stores on each unit (a separate reference worker sends these back)."""
-    pending_reference = None
-    """Set during an update whose reference outputs come from a reference worker (``prepare`` skips them)."""
 
     def __init__(self, options: NFTConfig | None, config: RunConfig):
-        self.options = o = options or NFTConfig()
-        self.config = config
+        super().__init__(options or NFTConfig(), config)
+        o = self.options
         self.uses_reference = o.kl_weight > 0
         if o.sigma_min >= o.sigma_max:
             raise ConfigError(f"NFT sigma_min {o.sigma_min} must be below sigma_max {o.sigma_max}.")
@@ -189,15 +187,13 @@ class DiffusionNFT:
             u.v_ref = v.detach()
 
     def prepare(self, model: Any, units: list[NFTUnit]) -> dict[str, float]:
-        """Without grad: the sampler policy's velocities (and the base model's for the KL term)."""
+        """Without grad: the sampler policy's velocities (the base model's for the KL term come through
+        ``reference_prepare``)."""
         sampler = self._sampler(model)
         with sampler.swapped():
             v_old = self._velocity(model, units)
         for u, v in zip(units, v_old):
             u.v_old = v.detach()
-        if self.uses_reference and self.pending_reference is None and any(u.v_ref is None for u in units):
-            with model.reference():
-                self.reference_prepare(model, units)
         return {"nft/ema_decay": self.decay(self.updates), "nft/sampler_lag_rms": sampler.distance()}
 
     def loss(self, model: Any, units: list[NFTUnit], first_update: bool = False):

@@ -19,6 +19,7 @@ rebuilt from the shards, then redistributed). No pickle.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 class FSDP2TrainEngine:
     distributed = True
+    sharded = True  # writes its own optimizer shards into a checkpoint (save_shards / load_shards)
 
     def __init__(self, model: Any, train: TrainSection, options: FSDP2Options | None, device: Any):
         self.model = model
@@ -108,10 +110,12 @@ class FSDP2TrainEngine:
         )
 
     # -- update --------------------------------------------------------------------------------
-    def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, algorithm: Any, units: list[Any], step: int,
+               reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
+        """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         metrics = MetricMean()
         mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.model, units, mbs, metrics)
+        prepare_all(algorithm, self.model, units, mbs, metrics, reference)
         params = [p for _, p in self.named_params]
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)

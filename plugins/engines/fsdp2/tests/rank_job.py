@@ -92,7 +92,7 @@ def main() -> None:
     out = Path(args.out)
     resolved = resolved_run(args.engine, bool(args.lora), out, args.layout)
     controller = Controller(resolved, out / "run")
-    worker = Worker(resolved, {"actor", "rollout"}, algorithm=controller.algorithm,
+    worker = Worker(resolved, {"actor", "rollout"},
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     worker.setup()
     first = 1

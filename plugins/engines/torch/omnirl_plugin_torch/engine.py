@@ -8,6 +8,7 @@ takes one optimizer step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,10 +42,12 @@ class TorchTrainEngine:
             params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay
         )
 
-    def update(self, algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, algorithm: Any, units: list[Any], step: int,
+               reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
+        """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         metrics = MetricMean()
         mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.model, units, mbs, metrics)
+        prepare_all(algorithm, self.model, units, mbs, metrics, reference)
         params = self.model.trainable_parameters()
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)

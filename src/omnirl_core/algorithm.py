@@ -1,0 +1,110 @@
+"""``Algorithm``: the base class of every algorithm plugin.
+
+One class, three roles, each played by its own instance built from the same options and config:
+
+- the **controller**'s instance (one per run, in the controller's process) decides what a step does:
+  ``plan`` (the rollout plan of a step), ``assign_advantages``, ``training_units``. It must depend only on
+  its options, the config and the step: under Ray it never sees what the actor's instance learns.
+- the **actor**'s instance (one per train rank, in the worker process) turns units into gradients:
+  ``prepare`` (no-grad pass: old log-probs), ``reference_prepare`` (the reference policy's outputs),
+  ``loss``, ``finish_minibatch``, ``after_update``; it owns the checkpointed state (``state`` /
+  ``state_tensors``) and decides which weights the rollout samples with (``rollout_policy`` when colocated,
+  ``sync_policy`` for the export to a separate rollout worker).
+- a **reference** worker's instance (``run.reference=separate``) runs only ``reference_prepare``.
+
+Every optional method has a no-op default here, so the runtime calls them unconditionally.
+The run-time switch of rollout correction (recompute or bypass the old log-probs) is ``old_logprob`` on the
+instance, set by the runtime; the config object keeps what the user asked for.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+OLD_LOGPROB_MODES = ("recompute", "bypass")
+
+
+class Algorithm:
+    reference_fields: tuple[str, ...] = ()
+    """What ``reference_prepare`` stores on each unit: what a separate reference worker sends back. Empty: the
+    algorithm evaluates its reference only inside the actor (``run.reference=separate`` is refused)."""
+
+    uses_reference: bool = False
+    """Whether this configuration has a reference term (e.g. ``beta > 0``); set in ``__init__``."""
+
+    def __init__(self, options: Any, config: Any):
+        self.options = options
+        self.config = config
+        self.old_logprob: str = config.train.old_logprob
+
+    @property
+    def recompute(self) -> bool:
+        """Rollout correction: recompute the old policy's log-probs before the update (else the rollout's)."""
+        return self.old_logprob == "recompute"
+
+    # -- controller ----------------------------------------------------------------------------
+    def plan(self, step: int) -> Any:
+        """The ``RolloutPlan`` of ``step`` (which steps are stochastic, which are trained)."""
+        raise NotImplementedError
+
+    def assign_advantages(self, samples: list[Any]) -> dict[str, float]:
+        """Set ``sample.advantage`` on every sample of the step; returns metrics."""
+        raise NotImplementedError
+
+    def training_units(self, samples: list[Any]) -> list[Any]:
+        """The units the actor trains on (transitions, sequences, preference pairs)."""
+        raise NotImplementedError
+
+    # -- actor ---------------------------------------------------------------------------------
+    def prepare(self, model: Any, units: list[Any]) -> dict[str, float]:
+        """Without grad, before the update, per micro-batch: what the loss needs from the pre-update weights
+        (old log-probs in recompute mode). The reference outputs are ``reference_prepare``'s job."""
+        return {}
+
+    def reference_prepare(self, model: Any, units: list[Any]) -> None:
+        """Without grad, ``model`` being the reference policy: store ``reference_fields`` on each unit."""
+        raise NotImplementedError(f"{type(self).__name__} declares no reference outputs")
+
+    def loss(self, model: Any, units: list[Any], first_update: bool = False,
+             correction: bool = False) -> tuple[Any, dict[str, float]]:
+        """The loss of a micro-batch (a scalar tensor) and its metrics. ``correction``: see
+        ``finish_minibatch``."""
+        raise NotImplementedError
+
+    def finish_minibatch(self, units: list[Any]) -> tuple[list[Any], dict[str, float]]:
+        """After a minibatch's micro-batches, before its optimizer step: the units to re-run with
+        ``loss(..., correction=True)`` (a rollout-correction mask that changed once the whole sample was seen)
+        and sequence-level metrics."""
+        return [], {}
+
+    def after_update(self, model: Any) -> None:
+        """After the step's optimizer updates (e.g. fold them into an EMA)."""
+
+    def state(self) -> dict[str, Any]:
+        """JSON state saved with each checkpoint (``algorithm.json``)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore ``state()``."""
+
+    def state_tensors(self) -> dict[str, Any]:
+        """Tensors saved with each checkpoint (``algorithm.safetensors``)."""
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, Any], model: Any) -> None:
+        """Restore ``state_tensors()``."""
+
+    # -- rollout (the actor's instance, colocated or exporting) ----------------------------------
+    def rollout_policy(self, model: Any) -> AbstractContextManager[None]:
+        """Around a rollout in the actor's process: the weights to sample with (default: the trained ones)."""
+        return nullcontext()
+
+    def sync_policy(self, model: Any) -> AbstractContextManager[None]:
+        """Around the export of weights to a separate rollout worker (default: the trained ones)."""
+        return nullcontext()
+
+
+def lacks_reference(algorithm: Algorithm, units: list[Any]) -> bool:
+    """Whether any unit still lacks the reference outputs (``reference_fields``)."""
+    return any(getattr(u, name, None) is None for u in units for name in algorithm.reference_fields)
