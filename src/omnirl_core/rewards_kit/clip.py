@@ -261,6 +261,8 @@ class ClipPreprocessor:
     mean: torch.Tensor | None
     std: torch.Tensor | None
     resize_on: Literal["uint8", "float"] = "uint8"
+    round_crop: bool = False
+    """Crop offsets rounded to nearest (torchvision's CenterCrop, also on PIL images) instead of down."""
 
     @classmethod
     def from_image_processor(cls, ip: Any, resize_on: Literal["uint8", "float"] = "uint8") -> ClipPreprocessor:
@@ -307,7 +309,7 @@ class ClipPreprocessor:
                 before_h, before_w = (ph // 2, pw // 2) if torchvision else (ph - ph // 2, pw - pw // 2)
                 x = F.pad(x, (before_w, pw - before_w, before_h, ph - before_h))
                 nh, nw = x.shape[-2:]
-            if torchvision:
+            if torchvision or self.round_crop:
                 top, left = round((nh - ch) / 2.0), round((nw - cw) / 2.0)  # torchvision: int(round(.))
             else:
                 top, left = (nh - ch) // 2, (nw - cw) // 2
