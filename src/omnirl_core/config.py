@@ -98,6 +98,10 @@ class RewardEntry(Section):
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight in the summed reward (finite; 0 logs it "
                           "without training on it).")
     required: bool = Field(True, description="A failing required reward fails the step; an optional one is logged.")
+    advantage: Literal["joint", "own"] = Field(
+        "joint", description="joint: the reward enters the weighted sum whose group advantage is taken; own: its "
+        "advantage is group-normalised on its own and added times its weight (DanceGRPO's sum of per-reward "
+        "advantages, GDPO), so a reward on a small scale is not drowned by one on a large scale.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the reward plugin.")
 
 

@@ -84,7 +84,8 @@ class TokenPolicyGradient(Algorithm):
         return AR_PLAN
 
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
-        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip)
+        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip,
+                                     rewards=self.config.rewards)
         lengths = torch.tensor([float(len(s.logprobs)) for s in samples])
         return {"advantage/abs_mean": float(adv.abs().mean()), "response_length/mean": float(lengths.mean())}
 

@@ -113,7 +113,8 @@ class FlowPolicyGradient(Algorithm):
 
     # -- advantages ----------------------------------------------------------------------------
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
-        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip)
+        adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip,
+                                     rewards=self.config.rewards)
         return {"advantage/abs_mean": float(adv.abs().mean())}
 
     def training_units(self, samples: list[Sample]) -> list[Transition]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,12 +34,32 @@ def group_advantages(
     return adv.float()
 
 
-def assign_group_advantages(samples: list[Any], *, global_std: bool, clip: float | None) -> torch.Tensor:
+def assign_group_advantages(samples: list[Any], *, global_std: bool, clip: float | None,
+                            rewards: Sequence[Any] = ()) -> torch.Tensor:
     """``group_advantages`` of the samples' rewards, grouped by ``request.group``, written to each
-    ``sample.advantage``; returns them (N,)."""
-    rewards = torch.tensor([s.reward for s in samples])
+    ``sample.advantage``; returns them (N,).
+
+    With ``rewards`` (the run's reward entries) of which some have ``advantage: own``:
+    A_i = GA(sum_{k joint} w_k r_ik) + sum_{k own} w_k GA(r_k)_i, GA the group advantage, clipped after the
+    sum (DanceGRPO / GDPO); a reward dropped for a group adds nothing to that group's advantages."""
     groups = torch.tensor([s.request.group for s in samples])
-    adv = group_advantages(rewards, groups, global_std=global_std, clip=clip)
+    own = [r for r in rewards if getattr(r, "advantage", "joint") == "own"]
+    if not own:
+        adv = group_advantages(torch.tensor([s.reward for s in samples]), groups, global_std=global_std, clip=clip)
+    else:
+        adv = torch.zeros(len(samples))
+        joint = [r for r in rewards if r not in own]
+        if joint:
+            summed = torch.tensor([sum(r.weight * s.rewards[r.name] for r in joint if r.name in s.rewards)
+                                   for s in samples])
+            adv += group_advantages(summed, groups, global_std=global_std, clip=None)
+        for entry in own:
+            have = torch.tensor([entry.name in s.rewards for s in samples])
+            if not bool(have.any()):
+                continue
+            values = torch.tensor([s.rewards.get(entry.name, 0.0) for s in samples])
+            adv[have] += entry.weight * group_advantages(values[have], groups[have], global_std=global_std, clip=None)
+        adv = adv.clamp(-clip, clip) if clip is not None else adv
     for sample, a in zip(samples, adv.tolist()):
         sample.advantage = a
     return adv
