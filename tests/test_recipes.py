@@ -19,7 +19,8 @@ PLUGINS = [
     "omnirl_plugin_grpo_guard", "omnirl_plugin_dpo", "omnirl_plugin_nft", "omnirl_plugin_diffusers",
     "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_ocr", "omnirl_plugin_cpu", "omnirl_plugin_cuda",
     "omnirl_plugin_wan22", "omnirl_plugin_sd35", "omnirl_plugin_color", "omnirl_plugin_qwen3_omni",
-    "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match",
+    "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match", "omnirl_plugin_pickscore",
+    "omnirl_plugin_hpsv2", "omnirl_plugin_imagereward", "omnirl_plugin_geneval", "omnirl_plugin_video",
 ]
 
 
