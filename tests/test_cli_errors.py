@@ -82,16 +82,16 @@ def test_output_dir_holding_a_different_run(tmp_path: Path):
     assert proc.returncode == 2
     assert "holds a different run" in proc.stderr and "train.lr" in proc.stderr
     _no_traceback(proc)
-    # a run saved before an option existed (here: train.rs_fallback dropped from its config) still resumes
+    # an option the saved run does not have is a difference too: the run would not resume exactly
     import yaml
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
     del saved["train"]["rs_fallback"]
     (out / "config.yaml").write_text(yaml.safe_dump(saved))
     proc = run_cli(*BASE, "--steps", "2", "--output-dir", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "train.rs_fallback: 0.05 (now only)" in proc.stderr
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert proc.returncode == 2, proc.stderr
+    assert "train.rs_fallback: absent (saved) vs 0.05 (now)" in proc.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -330,8 +329,6 @@ def train(
                           qualified={s.qualified_name for s in manager.registries["reward"]}, trackers=tracker)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     launch = Launch.prepare(manager, resolved, dry_run=dry_run)
-    for note in launch.notes:
-        _err(f"note: {note}")
     if dry_run:
         if launch.data_problem:
             _err(f"warning: {launch.data_problem}")
@@ -403,39 +400,11 @@ def plugin_new(
 # -- evaluate, sample, report -------------------------------------------------------------------------
 
 def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager):
-    """The resolved config of what eval / sample load: a run directory's config (flags and --set on top), or
-    a model given by flags (the base model unless --lora)."""
-    from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.evaluation import default_algorithm, run_layers
+    from omnirl_core.runtime.evaluation import resolve_for_eval
 
-    if run_dir is None and not model and not recipe:
-        raise UsageError("Nothing to load: give a run directory or --model.",
-                         hint="Example: omnirl eval runs/my-run --compare base, or omnirl eval --model qwen-image "
-                         "--preset tiny --prompts builtin:colors")
     layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, device, None,
                           qualified={s.qualified_name for s in manager.registries["reward"]})
-    if run_dir is not None:
-        layers.insert(0, run_layers(Path(run_dir)))
-    elif not algo:
-        name = model or next((layer.get("model", {}).get("name") for layer in layers if layer.get("model")), None)
-        if name:
-            layers.insert(0, {"algorithm": {"name": default_algorithm(manager, name)}})
-    return resolve_run(manager, layers, probe_device=True)
-
-
-def _weights(run_dir, checkpoint, lora, base):
-    from omnirl_core.runtime.evaluation import find_checkpoint
-
-    if sum(bool(x) for x in (checkpoint, lora, base)) > 1:
-        raise UsageError("Give one of --checkpoint, --lora and --base.", hint="They name the weights to load.")
-    if base:
-        return None
-    if lora:
-        if not Path(lora).is_dir():
-            raise UsageError(f"LoRA directory '{lora}' not found.",
-                             hint="Pass a directory with pytorch_lora_weights.safetensors.")
-        return Path(lora)
-    return find_checkpoint(Path(run_dir) if run_dir else None, checkpoint)
+    return resolve_for_eval(manager, layers, Path(run_dir) if run_dir else None, bool(model or recipe), bool(algo))
 
 
 PromptOpt = typer.Option(None, "--prompt", "-p", help="A prompt, repeatable.")
@@ -479,7 +448,7 @@ def eval_cmd(
         raise UsageError(f"Unknown --compare '{compare}'.", hint="Use --compare base.")
     manager = _manager()
     resolved = _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager)
-    weights = _weights(run_dir, checkpoint, lora, base)
+    weights = ev.weights_to_load(Path(run_dir) if run_dir else None, checkpoint, lora, base)
     if compare and weights is None:
         raise UsageError("--compare base needs trained weights to compare with.",
                          hint="Give a run directory (or --checkpoint / --lora).")
@@ -501,7 +470,7 @@ def eval_cmd(
     elif run_dir:
         root = Path(run_dir)
     else:
-        root = Path("runs") / f"eval-{resolved.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        root = ev.default_eval_dir(resolved)
     name = f"step-{step:06d}" if weights is None or step or checkpoint else f"lora-{weights.name}"
     settings = {"step": step, "checkpoint": str(weights) if weights else None, "during_training": False,
                 "prompts": described, "samples_per_prompt": samples, "seed": seed, "sampler": "ode",
@@ -554,11 +523,17 @@ def sample_cmd(
     device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
 ) -> None:
     """Generate from a model (a run's checkpoint, a LoRA or the base) for a list of prompts into a folder."""
-    from omnirl_core.runtime.evaluation import Evaluator, eval_records, eval_requests, save_samples
+    from omnirl_core.runtime.evaluation import (
+        Evaluator,
+        eval_records,
+        eval_requests,
+        save_samples,
+        weights_to_load,
+    )
 
     manager = _manager()
     resolved = _model_for(run_dir, model, algo, preset, None, recipe, overrides, device, manager)
-    weights = _weights(run_dir, checkpoint, lora, base)
+    weights = weights_to_load(Path(run_dir) if run_dir else None, checkpoint, lora, base)
     records = [{"prompt": p} for p in prompt or []]
     if prompts is not None:
         records += eval_records(resolved, prompts, split, None)[0]

@@ -45,23 +45,19 @@ def _without(config: dict[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def config_differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "",
-                       one_sided: list[str] | None = None) -> list[str]:
-    """Keys whose values differ between the saved config ``a`` and the current one ``b``.
-
-    A key present on one side only (an option a newer omnirl or plugin version added, or one it dropped)
-    is no conflict: the saved run simply predates it. Such keys go to ``one_sided`` when given."""
+def config_differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose values differ between the saved config ``a`` and the current one ``b`` (a key on one side
+    only is a difference too: the run would not compute what it computed before)."""
     diffs = []
     for key in sorted(set(a) | set(b)):
         path = f"{prefix}{key}"
         if key not in a or key not in b:
-            if one_sided is not None:
-                side = "now" if key in b else "saved"
-                one_sided.append(f"{path}: {(b if key in b else a)[key]!r} ({side} only)")
+            diffs.append(f"{path}: {a[key]!r} (saved) vs absent (now)" if key in a
+                         else f"{path}: absent (saved) vs {b[key]!r} (now)")
             continue
         va, vb = a[key], b[key]
         if isinstance(va, dict) and isinstance(vb, dict):
-            diffs += config_differences(va, vb, path + ".", one_sided)
+            diffs += config_differences(va, vb, path + ".")
         elif va != vb:
             diffs.append(f"{path}: {va!r} (saved) vs {vb!r} (now)")
     return diffs
@@ -98,21 +94,18 @@ class RunDir:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def check(self, config: dict[str, Any]) -> list[str]:
-        """Refuse a directory that is not an omnirl run or holds a different run; returns notes on options
-        only one side knows (the saved run predates them)."""
+    def check(self, config: dict[str, Any]) -> None:
+        """Refuse a directory that is not an omnirl run or holds a different run."""
         if self.is_foreign():
             raise ConfigError(f"Output directory '{self.path}' is not empty and holds no omnirl run.",
                               hint="Pick another --output-dir.")
-        one_sided: list[str] = []
-        diffs = self.differences(config, one_sided)
+        diffs = self.differences(config)
         if diffs:
             raise ConfigError(
                 f"Output directory '{self.path}' holds a different run.",
                 details=["Differences:", *(f"  {d}" for d in diffs[:10])],
                 hint="Use another --output-dir, or rerun with the same settings to resume that run.",
             )
-        return one_sided
 
     def claim(self, config: dict[str, Any], plugins: list[dict[str, Any]]) -> bool:
         """Take the directory for a run: lock it, check it again (under the lock), clean what interrupted
@@ -134,14 +127,13 @@ class RunDir:
             return None
         return yaml.safe_load(self.config_path.read_text())
 
-    def differences(self, config: dict[str, Any], one_sided: list[str] | None = None) -> list[str]:
+    def differences(self, config: dict[str, Any]) -> list[str]:
         """Conflicts between the saved run's config and ``config`` (keys that may change between
-        invocations left out); options only one side knows are collected in ``one_sided``."""
+        invocations left out)."""
         saved = self.saved_config()
         if saved is None:
             return []
-        return config_differences(_without(saved, RUN_IDENTITY_IGNORES), _without(config, RUN_IDENTITY_IGNORES),
-                                  one_sided=one_sided)
+        return config_differences(_without(saved, RUN_IDENTITY_IGNORES), _without(config, RUN_IDENTITY_IGNORES))
 
     def is_foreign(self) -> bool:
         """A non-empty directory that is not an omnirl run."""

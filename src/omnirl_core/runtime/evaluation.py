@@ -345,3 +345,46 @@ def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
         rows.append({"file": path.name, "prompt": s.prompt, "seed": s.request.seed})
     write_atomic(out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return rows
+
+
+# -- what `omnirl eval` / `omnirl sample` load ----------------------------------------------------------
+
+def resolve_for_eval(manager: Any, layers: list[dict[str, Any]], run_dir: Path | None, model_given: bool,
+                     algo_given: bool) -> Any:
+    """The resolved config of what eval / sample load: a run directory's config (the given layers on top), or
+    a model given by flags (with the model's default algorithm unless one is given: the base model)."""
+    from omnirl_core.resolve import resolve_run
+
+    if run_dir is None and not model_given:
+        raise UsageError("Nothing to load: give a run directory or --model.",
+                         hint="Example: omnirl eval runs/my-run --compare base, or omnirl eval --model qwen-image "
+                         "--preset tiny --prompts builtin:colors")
+    layers = list(layers)
+    if run_dir is not None:
+        layers.insert(0, run_layers(run_dir))
+    elif not algo_given:
+        name = next((layer.get("model", {}).get("name") for layer in layers if layer.get("model")), None)
+        if name:
+            layers.insert(0, {"algorithm": {"name": default_algorithm(manager, name)}})
+    return resolve_run(manager, layers, probe_device=True)
+
+
+def weights_to_load(run_dir: Path | None, checkpoint: str | None, lora: str | None, base: bool) -> Path | None:
+    """The trained weights to load: None for the base model, a LoRA directory, or a run's checkpoint."""
+    if sum(bool(x) for x in (checkpoint, lora, base)) > 1:
+        raise UsageError("Give one of --checkpoint, --lora and --base.", hint="They name the weights to load.")
+    if base:
+        return None
+    if lora:
+        if not Path(lora).is_dir():
+            raise UsageError(f"LoRA directory '{lora}' not found.",
+                             hint="Pass a directory with pytorch_lora_weights.safetensors.")
+        return Path(lora)
+    return find_checkpoint(run_dir, checkpoint)
+
+
+def default_eval_dir(resolved: Any) -> Path:
+    """Where a base-model evaluation goes when no run directory or --output-dir is given."""
+    import time
+
+    return Path("runs") / f"eval-{resolved.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -12,7 +12,7 @@ What ``omnirl train`` does, for Python users too::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,6 @@ class Launch:
     dump: dict[str, Any]
     data: Any = None
     """The opened ``PromptData`` (None only in a dry run whose prompts are missing: ``data_problem``)."""
-    notes: list[str] = field(default_factory=list)
-    """What the user should know before the run starts (options that differ from the saved run's)."""
     data_problem: str | None = None
 
     @classmethod
@@ -51,10 +49,7 @@ class Launch:
         dump = resolved.dump()
         dump["run"]["output_dir"] = str(run_path)
         launch = cls(resolved, run_path, dump)
-        one_sided = RunDir(run_path).check(dump)
-        if one_sided:
-            launch.notes.append(f"the run in '{run_path}' was saved by a version with other options; resuming "
-                                "with:\n" + "\n".join(f"  {d}" for d in one_sided[:10]))
+        RunDir(run_path).check(dump)
         try:
             launch.data = open_run_data(resolved)
         except NoPromptsError as err:
