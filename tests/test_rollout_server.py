@@ -79,3 +79,26 @@ def test_close_stops_the_process(tmp_path):
     assert s.proc.poll() is not None
     with pytest.raises(ServerError, match="not running"):
         s.call("double", {"n": 1})
+
+
+def test_the_ready_line_is_found_behind_an_engines_stdout_prefix(tmp_path):
+    """vLLM wraps sys.stdout and prefixes each line with its worker's name ("(DiffusionWorker pid=...) "):
+    the server writes its ready line past the wrapper, and the client finds it anywhere in a line."""
+    prefixed = textwrap.dedent('''
+        import sys
+
+        class Prefixed:
+            def __init__(self, stream):
+                self.stream = stream
+            def write(self, text):
+                return self.stream.write("".join("(Worker pid=1) " + line for line in text.splitlines(True)))
+            def __getattr__(self, name):
+                return getattr(self.stream, name)
+
+        sys.stdout = Prefixed(sys.stdout)
+        print("engine banner")
+    ''') + SERVER
+    (tmp_path / "prefixed_server.py").write_text(prefixed)
+    with ServerProcess(sys.executable, "prefixed_server", cwd=tmp_path, start_timeout_s=60, log_dir=tmp_path) as s:
+        assert s.call("double", {"n": 2})[0]["n"] == 4
+    assert "(Worker pid=1) engine banner" in s.log_path.read_text()

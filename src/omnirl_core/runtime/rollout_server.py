@@ -22,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import secrets
 import signal
 import struct
@@ -39,6 +40,7 @@ from typing import Any
 from omnirl_core.errors import OmnirlError, UsageError
 
 READY = "OMNIRL_SERVER_READY"
+_READY_LINE = re.compile(READY + r" port=(\d+)")
 TOKEN_ENV = "OMNIRL_SERVER_TOKEN"
 HOST = "127.0.0.1"
 
@@ -120,7 +122,9 @@ def serve(handlers: dict[str, Handler], setup: Callable[[], None] | None = None,
 
     threading.Thread(target=watch_parent, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    print(f"{READY} port={server.server_address[1]}", flush=True)
+    # straight to the file descriptor: engines wrap sys.stdout (vLLM prefixes every line with its worker name)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{READY} port={server.server_address[1]}\n".encode())
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -161,8 +165,9 @@ class ServerProcess:
                 line = raw.decode(errors="replace")
                 self._log.write(raw)
                 self._log.flush()
-                if not found and line.startswith(READY):
-                    found.append(int(line.split("port=")[1]))
+                match = None if found else _READY_LINE.search(line)
+                if match:  # anywhere in the line: a wrapped stdout may prefix it
+                    found.append(int(match.group(1)))
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()

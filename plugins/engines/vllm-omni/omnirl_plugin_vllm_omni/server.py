@@ -1,0 +1,126 @@
+"""The vllm-omni rollout server: ``python -m omnirl_plugin_vllm_omni.server --model DIR [--dtype float32]
+[--max-num-seqs 32]``, run by the engine in the vllm-omni environment (see ``engine.py``).
+
+Calls (``omnirl_core.runtime.rollout_server``): ``generate`` (requests with their rollout plans -> per request
+the trajectory, sigmas, log-probs, prompt embeddings and image), ``load_lora`` (an adapter from tensors),
+``load_weights`` (full denoiser weights, diffusers names), ``info``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from typing import Any
+
+from omnirl_core.runtime.rollout_server import pack, serve, server_args, unpack
+
+PIPELINE = "omnirl_plugin_vllm_omni.pipeline.OmnirlQwenImagePipeline"
+WORKER_EXTENSION = "omnirl_plugin_vllm_omni.worker.OmnirlWorkerExtension"
+ADAPTER_ID = 1  # one trained adapter, replaced at every sync
+
+
+class RolloutServer:
+    def __init__(self, model: str, dtype: str = "float32", max_num_seqs: int = 32):
+        self.model = model
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.omni: Any = None
+        self.lora: Any = None  # the LoRARequest every rollout request carries once an adapter is loaded
+        self.lora_version = 0
+
+    def start(self) -> None:
+        from vllm_omni.entrypoints.omni import Omni
+
+        self.omni = Omni(model=self.model, dtype=self.dtype, step_execution=True, max_num_seqs=self.max_num_seqs,
+                         custom_pipeline_args={"pipeline_class": PIPELINE}, worker_extension_cls=WORKER_EXTENSION)
+
+    def _rpc(self, method: str, **kwargs: Any) -> Any:
+        stage = self.omni.engine.collective_rpc(method=method, kwargs=kwargs, stage_ids=[0])[0]
+        return stage[0] if isinstance(stage, list) else stage  # per worker: rank 0's answer
+
+    def generate(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+        # one generate call per (size, CFG scale): those share one sampling-parameters object; the plan of each
+        # request rides in its prompt. vllm-omni steps each call's requests together (step execution).
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for r in meta["requests"]:
+            groups.setdefault((r["height"], r["width"], r["guidance_scale"]), []).append(r)
+        out: dict[str, Any] = {}
+        start = time.perf_counter()
+        for (height, width, scale), rows in groups.items():
+            cfg = scale > 1.0
+            prompts = []
+            for r in rows:
+                plan = {k: r[k] for k in ("step_kinds", "eta", "sigmas", "latent_shape", "seed", "noise_seed", "uid")}
+                plan["cfg_renorm"] = meta["cfg_renorm"]
+                prompt = {"prompt": r["prompt"], "omnirl": plan}
+                if cfg:
+                    prompt["negative_prompt"] = meta["negative_prompt"]
+                prompts.append(prompt)
+            params = OmniDiffusionSamplingParams(
+                height=height, width=width, num_inference_steps=len(rows[0]["step_kinds"]),
+                true_cfg_scale=scale if cfg else 1.0, max_sequence_length=meta["max_sequence_length"],
+                lora_request=self.lora)
+            for output in self.omni.generate(prompts, params):
+                rl = _rl_metadata(output)
+                uid = int(rl["uid"])
+                for name, value in rl.items():
+                    if name != "uid":
+                        out[f"{uid}.{name}"] = value
+        seconds = time.perf_counter() - start
+        return {"stats": {"seconds": seconds, "requests": len(meta["requests"]), "calls": len(groups)}}, out
+
+    def load_lora(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        from vllm_omni.lora.request import LoRARequest
+
+        self.lora_version += 1
+        config = {"r": int(meta["rank"]), "lora_alpha": float(meta["alpha"])}
+        loaded = self._rpc("omnirl_load_lora", adapter_id=ADAPTER_ID, peft_config=config, blob=pack({}, tensors))
+        self.lora = LoRARequest(lora_name=f"omnirl-{self.lora_version}", lora_int_id=ADAPTER_ID,
+                                lora_path=f"/omnirl/in-memory/{ADAPTER_ID}")
+        return {"modules": loaded, "version": self.lora_version}, {}
+
+    def load_weights(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        loaded = self._rpc("omnirl_load_weights", blob=pack({}, tensors))
+        self.lora = None  # full weights replace whatever an adapter added
+        self._rpc("omnirl_drop_lora", adapter_id=ADAPTER_ID)
+        return {"loaded": loaded}, {}
+
+    def weight(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, unpack(self._rpc("omnirl_weight", name=meta["name"]))[1]
+
+    def info(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        import vllm
+        import vllm_omni
+
+        return {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__, "pid": os.getpid(),
+                "lora_version": self.lora_version, "model": self.model}, {}
+
+
+def _rl_metadata(output: Any) -> dict[str, Any]:
+    """The pipeline's ``metadata["rl"]`` group out of an OmniRequestOutput (where vllm-omni keeps it)."""
+    for holder in (getattr(output, "multimodal_output", None), getattr(output, "custom_output", None)):
+        if isinstance(holder, dict):
+            metadata = holder.get("metadata") or {}
+            if isinstance(metadata, dict) and "rl" in metadata:
+                return metadata["rl"]
+            if "rl" in holder:
+                return holder["rl"]
+    raise RuntimeError(f"vllm-omni returned no omnirl trajectory for request {getattr(output, 'request_id', '?')}; "
+                       f"error: {getattr(output, 'error', None)}")
+
+
+def main() -> None:
+    # `kill -USR1 <pid>` prints every thread's stack to the server log (a hang's whereabouts)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    args = server_args()
+    server = RolloutServer(args["model"], str(args.get("dtype", "float32")), int(args.get("max_num_seqs", 32)))
+    serve({"generate": server.generate, "load_lora": server.load_lora, "load_weights": server.load_weights,
+           "weight": server.weight, "info": server.info}, setup=server.start)
+
+
+if __name__ == "__main__":
+    main()
