@@ -26,7 +26,7 @@ def omnirl_register_models(register):
             preset_defaults={
                 "tiny": {
                     "model": {"dtype": "float32", "lora": {"rank": 16, "alpha": 16}},
-                    "rollout": {"height": 64, "width": 64, "num_steps": 6, "guidance_scale": 1.0,
+                    "rollout": {"height": 32, "width": 32, "num_steps": 6, "guidance_scale": 1.0,
                                 "prompts_per_step": 4, "group_size": 8},
                     "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
                     "rewards": [{"name": "color"}],

@@ -200,7 +200,9 @@ class BagelModel(DenoiserModel):
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Conditioning:
         rows = [self.prompt_ids(p) for p in prompts]
-        width = max((len(r) for r in rows), default=0)
+        # at least one position: the text-dropped context is one padding slot (mask 0), so that every
+        # conditioning row has a sequence dimension to pad and trim
+        width = max(1, *(len(r) for r in rows))
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -208,12 +210,7 @@ class BagelModel(DenoiserModel):
             mask[i, :len(row)] = 1
         tensors = {"input_ids": ids.to(self.device), "text_mask": mask.to(self.device)}
         if self.caches_prompt_kv:
-            llm = self.config.llm
-            if width == 0:
-                tensors["prompt_kv"] = torch.zeros(len(rows), 0, llm.num_hidden_layers, 2, llm.num_key_value_heads,
-                                                   llm.head_dim, dtype=self.dtype, device=self.device)
-            else:
-                tensors["prompt_kv"] = self.denoiser.prompt_kv(tensors["input_ids"], tensors["text_mask"])
+            tensors["prompt_kv"] = self.denoiser.prompt_kv(tensors["input_ids"], tensors["text_mask"])
         return Conditioning(tensors, pad_keys=tuple(tensors))
 
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:

@@ -188,7 +188,8 @@ def test_cfg_is_bagels_text_cfg_with_renorm(tiny_dir: Path):
 
 def test_blank_prompt_is_the_text_dropped_context(tiny_dir: Path):
     model = _model(tiny_dir)
-    assert model.encode([" "]).tensors["input_ids"].shape == (1, 0)
+    blank = model.encode([" "]).tensors
+    assert blank["text_mask"].shape == (1, 1) and blank["text_mask"].sum() == 0  # one padding slot, no token
     ids = model.encode(["a red square"]).tensors["input_ids"][0].tolist()
     assert ids[0] == 151644 and ids[-1] == 151645 and len(ids) == 2 + len(model.tokenizer.encode("a red square"))
 
