@@ -27,6 +27,26 @@ QWEN2_SPECIALS = [
 QWEN2_VOCAB_SIZE = 151643 + len(QWEN2_SPECIALS)
 
 
+TINY_IMAGE_DEFAULTS: dict[str, Any] = {
+    "rollout": {"height": 32, "width": 32, "num_steps": 6, "guidance_scale": 1.0, "prompts_per_step": 4,
+                "group_size": 8},
+    "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
+    "model": {"lora": {"rank": 16, "alpha": 16}},
+    "rewards": [{"name": "color"}],
+    "run": {"steps": 200, "save_every": 50, "sample_every": 20},
+}
+"""The values the first-party image models' ``tiny`` presets suggest (``ModelSpec.preset_defaults["tiny"]``):
+32x32 images, 6 steps, 4 prompts x 8 samples, LoRA r16 at lr 1e-2, the colour reward, 200 steps. A model
+with other needs merges its own on top (``tiny_defaults``)."""
+
+
+def tiny_defaults(**overrides: Any) -> dict[str, Any]:
+    """``TINY_IMAGE_DEFAULTS`` with sections merged over it, e.g. ``model={"options": {...}}``."""
+    from omnirl_core.config import deep_merge
+
+    return deep_merge(TINY_IMAGE_DEFAULTS, overrides)
+
+
 def cache_dir() -> Path:
     root = os.environ.get("OMNIRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnirl")
     path = Path(root)
@@ -159,6 +179,36 @@ def clip_tokenizer(vocab_size: int = 512) -> Any:
     )
 
 
+def tiny_clip_text_encoder(tokenizer: Any, dim: int, seed: int, projection: bool = False) -> Any:
+    """A CLIP text encoder of 2 layers x 4 heads, hidden (and projection) ``dim``, random weights drawn after
+    ``torch.manual_seed(seed)``, for the tiny presets (SD3.5's two CLIPs, FLUX.1's); ``projection`` adds the text
+    projection (``CLIPTextModelWithProjection``)."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(CLIPTextConfig(
+        hidden_size=dim, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=len(tokenizer),
+        projection_dim=dim, max_position_embeddings=77, hidden_act="gelu", bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )).eval()
+
+
+def tiny_t5_encoder(tokenizer: Any, d_model: int, d_kv: int, d_ff: int, seed: int, umt5: bool = False) -> Any:
+    """A T5 (or UMT5) encoder of 2 layers x 4 heads with random weights drawn after ``torch.manual_seed(seed)``,
+    for the tiny presets' text encoders (SD3.5's and FLUX.1's T5, Wan's UMT5)."""
+    import torch
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    torch.manual_seed(seed)
+    return model_cls(config_cls(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )).eval()
+
+
 def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape: tuple[int, ...],
                         target_std: float = 0.6) -> None:
     """Random VAE decoders map every latent to a nearly flat grey. Rescale the decoder's last convolution
@@ -173,13 +223,17 @@ def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape
         conv_out.bias.zero_()
 
 
-def checkpoint_path(section: Any, model: str, build_tiny: Callable[[], Path], default: str) -> str:
+def checkpoint_path(section: Any, model: str, build_tiny: Callable[[], Path], default: str,
+                    presets: dict[str, str] | None = None) -> str:
     """Where a model section's weights come from: the ``tiny`` preset's directory (``build_tiny()`` makes or
-    finds it) unless ``model.path`` is set, else ``model.path`` or the model's default hub id."""
+    finds it) unless ``model.path`` is set, else ``model.path``, a named preset's hub id (``presets``, e.g.
+    ``{"schnell": "black-forest-labs/FLUX.1-schnell"}``) or the model's default hub id."""
     from omnirl_core.errors import UsageError
 
+    presets = presets or {}
     if section.preset == "tiny":
         return str(build_tiny()) if section.path is None else section.path
-    if section.preset is not None:
-        raise UsageError(f"Unknown preset '{section.preset}' for {model}.", hint="Available presets: tiny.")
-    return section.path or default
+    if section.preset is not None and section.preset not in presets:
+        raise UsageError(f"Unknown preset '{section.preset}' for {model}.",
+                         hint=f"Available presets: {', '.join(['tiny', *presets])}.")
+    return section.path or presets.get(section.preset or "", default)

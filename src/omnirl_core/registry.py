@@ -60,6 +60,19 @@ class ComponentSpec:
         }
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model constrains, known without loading weights: checked at resolution (and ``--dry-run``)."""
+
+    guidance: str = "cfg"
+    """How ``rollout.guidance_scale`` is used: ``cfg`` true classifier-free guidance (an unconditional branch),
+    ``embedded`` guidance distilled into the network (the scale is an input), ``none`` (the scale must be 1)."""
+    size_multiple: int = 1
+    """Height and width must be multiples of it (VAE downsampling x transformer patch)."""
+    frame_multiple: int | None = None
+    """Videos: ``num_frames`` must be ``k * frame_multiple + 1``; None: an image model (num_frames unset)."""
+
+
 @dataclass
 class ModelSpec(ComponentSpec):
     kind: ClassVar[str] = "model"
@@ -70,6 +83,17 @@ class ModelSpec(ComponentSpec):
     """Config values this model suggests (lowest layer, under the recipe and --set)."""
     preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra suggested values per preset, e.g. a small resolution for ``tiny``."""
+    limits: Any = None
+    """A ``ModelLimits``; a dict of them by preset (key None: released checkpoints); or ``"module:attr"`` of a
+    cheap function ``(model_section, options) -> ModelLimits`` when they depend on the checkpoint or an option
+    (no torch, no weights). None: nothing is checked."""
+
+    def limits_for(self, section: Any, options: Any) -> ModelLimits:
+        if isinstance(self.limits, dict):
+            return self.limits.get(section.preset, self.limits.get(None, ModelLimits()))
+        if self.limits is None or isinstance(self.limits, ModelLimits):
+            return self.limits or ModelLimits()
+        return load_object(self.limits)(section, options)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -150,6 +150,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
 
     options: dict[str, BaseModel | None] = {}
     problems: list[str] = []
+    listings: dict[str, str] = {}  # the command that lists the options of each component with a problem
     checks = [
         ("model.options", config.model.options, model_spec),
         ("algorithm.options", config.algorithm.options, algo_spec),
@@ -162,6 +163,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             options[path] = validate_options(opts, spec.load_config(), path)
         except ConfigError as err:
             problems += err.details or [err.message]
+            listings[spec.name] = f"`omnirl list {_LISTING.get(spec.kind, spec.kind + 's')} {spec.name} --options`"
         except ImportError as exc:
             raise PluginError(
                 f"Plugin '{spec.plugin}' is installed but its {spec.kind} '{spec.name}' cannot be imported: {exc}",
@@ -169,7 +171,8 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             ) from exc
     if problems:
         raise ConfigError(f"Invalid plugin options: {len(problems)} problem(s).", details=problems,
-                          hint="See each plugin's options in its README or `omnirl algos NAME --options`.")
+                          hint=f"See the options with {' and '.join(listings.values())}.")
+    check_model_limits(config, model_spec, options["model.options"])
 
     device = resolve_device(manager, config.run.device) if probe_device else None
     if device is not None and device.torch_device == "cpu":
@@ -184,6 +187,31 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
                     hint="Pick another --device or engine.",
                 )
     return ResolvedRun(config, model_spec, algo_spec, rollout_spec, train_spec, reward_specs, device, options)
+
+
+_LISTING = {"model": "models", "algorithm": "algos", "engine": "engines", "reward": "rewards"}
+
+
+def check_model_limits(config: RunConfig, spec: ModelSpec, options: BaseModel | None) -> None:
+    """Refuse what the model cannot do before any weight loads: a guidance scale it cannot use, a size that is
+    not a multiple of its factor, a frame count it cannot make (all problems at once)."""
+    limits = spec.limits_for(config.model, options)
+    r = config.rollout
+    problems = []
+    if limits.guidance == "none" and r.guidance_scale != 1.0:
+        problems.append(f"rollout.guidance_scale = {r.guidance_scale:g}, but {spec.name} has no guidance "
+                        "(neither an unconditional branch nor a guidance input): set it to 1.")
+    m = limits.size_multiple
+    if r.height % m or r.width % m:
+        problems.append(f"rollout.height/width = {r.height}x{r.width}, but {spec.name} needs multiples of {m}.")
+    f = limits.frame_multiple
+    if f is None and r.num_frames not in (None, 1):
+        problems.append(f"rollout.num_frames = {r.num_frames}, but {spec.name} generates images: leave it unset.")
+    if f is not None and (r.num_frames is None or (r.num_frames - 1) % f):
+        problems.append(f"rollout.num_frames = {r.num_frames}, but {spec.name} makes videos of {f}k+1 frames.")
+    if problems:
+        raise ConfigError(f"The run asks for what model '{spec.name}' cannot do: {len(problems)} problem(s).",
+                          details=problems, hint=f"Change these values (see `omnirl list models {spec.name}`).")
 
 
 def resolve_device(manager: PluginManager, name: str) -> DeviceSpec:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig
 from omnirl_core.runtime.weight_sync import cpu_copy
@@ -42,7 +43,7 @@ class DenoiserModel:
 
             targets = lora.target_modules or list(self.default_lora_targets)
             self.denoiser.add_adapter(
-                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=True)
+                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=lora.peft_init)
             )
             self.lora = lora
         else:
@@ -182,3 +183,257 @@ def load_diffusers_pipeline(pipeline_cls: Any, path: str, dtype: torch.dtype, la
             details=[f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"],
             hint="Download the checkpoint to a directory and pass --set model.path=DIR, or use --preset tiny.",
         ) from exc
+
+
+# -- the model-author kit: what diffusers text-to-image flow models share --------------------------------------
+
+GUIDANCE_MODES = ("cfg", "embedded", "none")
+"""How a model uses ``rollout.guidance_scale``: ``cfg`` true classifier-free guidance (a second, unconditional
+branch), ``embedded`` guidance distilled into the network (one branch, the scale is an input: FLUX.1-dev),
+``none`` no guidance (the scale must be 1: FLUX.1-schnell)."""
+
+
+def pack_2x2(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) latents -> (B, H/2 * W/2, 4C) tokens of 2x2 patches, the layout of FLUX / Qwen-Image."""
+    b, c, h, w = x.shape
+    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of ``pack_2x2`` for a latent grid of ``h`` x ``w``."""
+    b, _, ch = x.shape
+    x = x.view(b, h // 2, w // 2, ch // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, ch // 4, h, w)
+
+
+def shifted_sigmas(scheduler: Any, num_steps: int, seq_len: int, linspace: bool = False) -> torch.Tensor:
+    """A FlowMatchEuler scheduler's shifted sigmas for ``num_steps`` steps, then 0, fp32: the shift ``mu`` follows
+    the image's token count ``seq_len`` when the scheduler shifts dynamically (SD3/FLUX/Qwen-Image's
+    ``calculate_shift``). ``linspace``: start from linspace(1, 1/T) as the FLUX and Qwen-Image pipelines pass it,
+    instead of the scheduler's own timestep grid (SD3)."""
+    import numpy as np
+
+    kwargs: dict[str, Any] = {}
+    config = scheduler.config
+    if config.get("use_dynamic_shifting", False):
+        # SD3 / FLUX / Qwen-Image: mu linear in the token count between (base_seq_len, base_shift) and (max, max)
+        base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+        base_shift, max_shift = config.get("base_shift", 0.5), config.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        kwargs["mu"] = seq_len * slope + (base_shift - slope * base_len)
+    if linspace:
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), device="cpu", **kwargs)
+    else:
+        scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
+    return torch.as_tensor(np.asarray(scheduler.sigmas), dtype=torch.float32).clone()
+
+
+def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float, renorm: bool = False) -> torch.Tensor:
+    """True classifier-free guidance over ``forward(conditioning) -> v``: v_u + w (v_c - v_u) for w > 1, the
+    unconditional branch without grad (it is detached in training). ``renorm`` rescales the guided prediction to
+    the conditional one's norm over the last dim (per token; Qwen-Image's true CFG)."""
+    v = forward(cond)
+    if guidance_scale <= 1.0:
+        return v
+    if uncond is None:
+        raise ValueError("CFG needs the unconditional conditioning")
+    with torch.no_grad():
+        v_u = forward(uncond)
+    combined = v_u + guidance_scale * (v - v_u)
+    if renorm:
+        combined = combined * (v.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+    return combined
+
+
+def check_size(label: str, height: int, width: int, multiple: int, num_frames: int | None = None) -> None:
+    """An image model's output size: height and width multiples of ``multiple``, no frame count."""
+    from omnirl_core.errors import UsageError
+
+    if height % multiple or width % multiple:
+        raise UsageError(
+            f"{label} needs height and width divisible by {multiple}; got {height}x{width}.",
+            hint=f"Set rollout.height/width to multiples of {multiple}.",
+        )
+    if num_frames not in (None, 1):
+        raise UsageError(f"{label} generates images; rollout.num_frames must be unset.")
+
+
+class DiffusersModelOptions(BaseModel):
+    """The options every diffusers flow model plugin has; a plugin's options subclass it and add their own."""
+
+    model_config = ConfigDict(extra="forbid")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each transformer block's activations in the backward pass (less training "
+        "memory at high resolution, about a third more compute; same numbers)."
+    )
+    tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
+
+
+class DiffusersFlowModel(DenoiserModel):
+    """A diffusers text-to-image flow model: the pipeline's transformer is the denoiser; latents are kept as the
+    (C, H/s, W/s) grid the core's sampler and shape buckets see. A subclass writes ``encode`` and ``forward`` (one
+    transformer call) and sets the class attributes below; the schedule, 2x2 packing, guidance, VAE decoding and
+    encoding, gradient checkpointing and size checks come from here.
+
+    ``options`` is the plugin's pydantic options; ``gradient_checkpointing: bool`` there is honoured."""
+
+    label = "model"
+    """The name in messages."""
+    guidance = "cfg"
+    """One of ``GUIDANCE_MODES``; an instance may set its own (a checkpoint with or without a guidance embedding)."""
+    cfg_renorm = False
+    """With true CFG: rescale the guided prediction to the conditional one's norm per token."""
+    packed = False
+    """The transformer reads 2x2-patch tokens (``pack_2x2``) rather than the latent grid."""
+    patch = 2
+    """The transformer's patch size in latent pixels (the output size must be a multiple of vae scale x patch)."""
+    linspace_sigmas = False
+    """The pipeline passes linspace(1, 1/T) to the scheduler (FLUX, Qwen-Image) rather than a step count (SD3)."""
+    video_vae = False
+    """The VAE is a video VAE that decodes images as one-frame videos (Qwen-Image's)."""
+
+    def __init__(self, pipeline: Any, options: Any, device: torch.device, dtype: torch.dtype):
+        super().__init__(pipeline, pipeline.transformer, device, dtype)
+        self.options = options
+        self.vae_scale = pipeline.vae_scale_factor
+        config = pipeline.vae.config
+        self.latent_channels = config.get("z_dim") or config.get("latent_channels")
+
+    def setup_training(self, lora: Any, need_reference: bool) -> None:
+        super().setup_training(lora, need_reference)
+        if getattr(self.options, "gradient_checkpointing", False):
+            self.denoiser.enable_gradient_checkpointing()
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Every pipeline component that is a module, but the denoiser (text encoders, VAE)."""
+        return [m for m in self.pipeline.components.values()
+                if isinstance(m, torch.nn.Module) and m is not self.denoiser]
+
+    # -- the architecture-specific part --------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any, grid: tuple[int, int],
+                guidance: float | None) -> torch.Tensor:
+        """One transformer call, fp32 out: ``x`` in the transformer's layout (``packed`` or the grid) and dtype,
+        ``sigma`` (B,) in [0, 1], ``grid`` the latent (H, W), ``guidance`` the scale for ``embedded`` guidance."""
+        raise NotImplementedError
+
+    # -- the contract ----------------------------------------------------------------------------------------
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        check_size(self.label, height, width, self.vae_scale * self.patch, num_frames)
+        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+
+    def sigmas(self, num_steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The pipeline's schedule (``shifted_sigmas``) for this image size."""
+        seq_len = (latent_shape[-2] // self.patch) * (latent_shape[-1] // self.patch)
+        return shifted_sigmas(self.pipeline.scheduler, num_steps, seq_len, self.linspace_sigmas)
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Any, guidance_scale: float = 1.0,
+                 uncond: Any = None) -> torch.Tensor:
+        """``forward`` under the model's guidance: true CFG (two branches), embedded (the scale as an input; an
+        unconditional conditioning is not used) or none."""
+        h, w = latents.shape[-2:]
+        x = latents.to(self.device, self.dtype)
+        if self.packed:
+            x = pack_2x2(x)
+        sigma = sigma.to(self.device)
+        if self.guidance == "embedded":
+            v = self.forward(x, sigma, cond, (h, w), guidance_scale)
+        elif self.guidance == "none" and guidance_scale != 1.0:
+            from omnirl_core.errors import UsageError
+
+            raise UsageError(f"{self.label} has no guidance; got guidance scale {guidance_scale:g}.",
+                             hint="Set rollout.guidance_scale=1.")
+        else:
+            v = guided_velocity(lambda c: self.forward(x, sigma, c, (h, w), None), cond, uncond, guidance_scale,
+                                self.cfg_renorm)
+        return unpack_2x2(v, h, w) if self.packed else v
+
+    def _channel_stats(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-channel ``latents_mean`` / ``latents_std`` shaped for ``z`` (Wan-style VAEs), or None (SD3/FLUX-style
+        VAEs normalise with a scalar shift and scaling factor)."""
+        config = self.pipeline.vae.config
+        if config.get("latents_mean") is None:
+            return None
+        shape = (1, -1) + (1,) * (z.dim() - 2)
+        return (torch.tensor(config.latents_mean, device=z.device, dtype=z.dtype).view(shape),
+                torch.tensor(config.latents_std, device=z.device, dtype=z.dtype).view(shape))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) in [0, 1] (videos (B, 3, F, H, W) for 5-D latents), the pipeline's own
+        denormalisation."""
+        vae = self.pipeline.vae
+        z = latents.to(self.device, vae.dtype)
+        if self.video_vae and z.dim() == 4:
+            z = z.unsqueeze(2)
+        stats = self._channel_stats(z)
+        if stats is not None:
+            z = z * stats[1] + stats[0]
+        else:
+            z = z / vae.config.scaling_factor + (vae.config.get("shift_factor") or 0.0)
+        out = vae.decode(z, return_dict=False)[0]
+        if self.video_vae and latents.dim() == 4:
+            out = out[:, :, 0]
+        return ((out.float() + 1) / 2).clamp(0, 1).cpu()
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] -> latents of ``latent_shape``, the inverse of ``decode``: the VAE
+        posterior's mean (deterministic), normalised as the pipeline does, fp32."""
+        vae = self.pipeline.vae
+        x = images.to(self.device, vae.dtype) * 2 - 1
+        if self.video_vae:
+            x = x.unsqueeze(2)
+        z = vae.encode(x).latent_dist.mean
+        stats = self._channel_stats(z)
+        if stats is not None:
+            z = (z - stats[0]) / stats[1]
+        else:
+            z = (z - (vae.config.get("shift_factor") or 0.0)) * vae.config.scaling_factor
+        return (z[:, :, 0] if self.video_vae else z).float()
+
+
+def tiny_directory(name: str, version: int, seed: int, build: Any) -> Path:
+    """The on-disk cache of a tiny preset: ``build(seed)`` returns a diffusers pipeline with random weights, saved
+    once (atomically) in the diffusers layout under ``<cache>/presets/<name>-tiny-v<version>-seed<seed>`` so that
+    it loads through ``from_pretrained`` like a released checkpoint. Bump ``version`` when the architecture
+    changes."""
+    from omnirl_core.presets import atomic_directory, cache_dir
+
+    target = cache_dir() / "presets" / f"{name}-tiny-v{version}-seed{seed}"
+    return atomic_directory(target, lambda tmp: save_pipeline(build(seed), tmp))
+
+
+def save_pipeline(pipeline: Any, directory: str | Path) -> Path:
+    """Save a pipeline in the diffusers layout (``model_index.json`` + components, safetensors)."""
+    directory = Path(directory)
+    pipeline.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def create_flow_model(model_cls: Any, pipeline_cls: Any, section: Any, options: Any, device: Any, *, label: str,
+                      tiny: Any, default: str, presets: dict[str, str] | None = None, access_note: str = "",
+                      check: Any = None, **load_kwargs: Any) -> Any:
+    """The usual model factory: the checkpoint directory (the ``tiny`` preset, ``tiny = (name, version,
+    build(seed))`` cached by ``tiny_directory`` with seed ``options.tiny_seed``; ``model.path``; a named preset's
+    hub id from ``presets``; else ``default``), ``pipeline_cls.from_pretrained`` with clear errors,
+    ``check(pipeline, path)`` (raise on a mismatch with the options), then the pipeline on the device wrapped in
+    ``model_cls(pipeline, options, device, dtype)``."""
+    from omnirl_core.presets import checkpoint_path
+
+    dtype_name = section.dtype
+    if dtype_name == "auto":  # resolution makes it concrete; a plugin's own tests may call the factory directly
+        from omnirl_core.runtime.precision import concrete_dtype
+
+        dtype_name = concrete_dtype(dtype_name, torch.device(device).type)
+    dtype = DTYPES[dtype_name]
+    name, version, build = tiny
+    path = checkpoint_path(section, section.name or label,
+                           lambda: tiny_directory(name, version, getattr(options, "tiny_seed", 0), build), default,
+                           presets)
+    pipeline = load_diffusers_pipeline(pipeline_cls, path, dtype, label, access_note, **load_kwargs)
+    if check is not None:
+        check(pipeline, path)
+    pipeline = pipeline.to(device)
+    pipeline.set_progress_bar_config(disable=True)
+    return model_cls(pipeline, options, torch.device(device), dtype)

@@ -6,6 +6,11 @@
         check_flow_model(tiny_model, height=32, width=32)
 
 Each check raises AssertionError with what is wrong; they assert behaviour the rest of omnirl relies on.
+
+A flow model plugin's tests run ``check_flow_model``, ``check_batch_invariance``, ``check_logprob_consistency``
+and ``check_lora_roundtrip``; an AR model's, ``check_ar_model`` and ``check_ar_logprob_consistency``. They bring
+their own minimal rollout (``rollout``, ``ar_rollout``) over the core's sampler, so that a model plugin's tests
+need no engine plugin.
 """
 
 from __future__ import annotations
@@ -36,17 +41,15 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *shape, generator=g)
     s = torch.full((len(prompts),), 0.7)
+    check_batch_invariance(model, height, width, num_frames, prompts)
     with torch.no_grad():
         v = model.velocity(x, s, Conditioning.cat(singles))
         assert v.dtype == torch.float32 and v.shape == x.shape, (v.dtype, v.shape)
-        for i, single in enumerate(singles):
-            alone = model.velocity(x[i:i + 1], s[i:i + 1], single)
-            err = (alone[0] - v[i]).abs().max().item()
-            assert err <= 1e-5, f"velocity of sample {i} changes with its batch by {err}"
-        if "cfg" in model.capabilities:
+        guidance = getattr(model, "guidance", "cfg")
+        if guidance != "none" and ("cfg" in model.capabilities or guidance == "embedded"):
             uncond = Conditioning.cat([model.encode([" "])] * len(prompts))
             guided = model.velocity(x, s, Conditioning.cat(singles), 4.0, uncond)
-            assert guided.shape == v.shape and (guided - v).abs().max() > 0
+            assert guided.shape == v.shape and (guided - v).abs().max() > 0, "guidance changes nothing"
         with model.reference():
             ref = model.velocity(x, s, Conditioning.cat(singles))
         assert ref.shape == v.shape
@@ -54,6 +57,163 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
     assert out.shape[0] == len(prompts) and out.shape[1] == 3, out.shape
     assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0
     assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
+
+
+def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, plan: Any,
+              guidance_scale: float, seed: int) -> list[Any]:
+    from omnirl_core.interfaces import GenRequest
+
+    return [GenRequest(uid=i, prompt=p, prompt_index=i, group=i, seed=seed + 7 * i, height=height, width=width,
+                       num_frames=num_frames, plan=plan, guidance_scale=guidance_scale)
+            for i, p in enumerate(prompts)]
+
+
+def rollout(model: Any, requests: Sequence[Any], negative_prompt: str = " ") -> list[Any]:
+    """The minimal rollout: all ``requests`` (one latent shape, one guidance scale) denoised together by the
+    core's sampler, one ``velocity`` call per step, each request drawing its initial latent and its step noise
+    from its own seeded generators (as the rollout engines do). Returns ``Sample`` objects with the trajectory,
+    the log-probs and ``extras`` ``cond`` / ``uncond`` as the trainer reads them."""
+    import torch
+
+    from omnirl_core.flow.sampler import sample_step
+    from omnirl_core.interfaces import Conditioning, Sample
+
+    first = requests[0]
+    plan, scale = first.plan, first.guidance_scale
+    assert all(r.plan == plan and r.guidance_scale == scale for r in requests), "one plan and scale per rollout"
+    shape = tuple(model.latent_shape(first.height, first.width, first.num_frames))
+    sigmas = plan.sigmas_from(model.sigmas(plan.schedule_steps, shape)).float().cpu()
+    with torch.no_grad():
+        conds = [model.encode([r.prompt]) for r in requests]
+        uncond = model.encode([negative_prompt]) if scale > 1.0 else None
+        cond = Conditioning.cat(conds)
+        uncond_batch = Conditioning.cat([uncond] * len(requests)) if uncond is not None else None
+        x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
+            r.noise_seed if r.noise_seed is not None else r.seed)) for r in requests])
+        noise = [torch.Generator().manual_seed(r.seed + 1) for r in requests]
+        states, logprobs, history = [x], torch.full((len(requests), plan.num_steps), float("nan")), None
+        n = len(requests)
+        for i, kind in enumerate(plan.step_kinds):
+            s, s_next = sigmas[i].expand(n), sigmas[i + 1].expand(n)
+            v = model.velocity(x, s, cond, scale, uncond_batch).cpu()
+            eps = None if kind in ("ode", "dpm2") else torch.stack([torch.randn(shape, generator=g) for g in noise])
+            out = sample_step(kind, x, v, s, s_next, plan.eta, eps, sigmas[1].expand(n), history)
+            history = (out.x0, s)
+            x = out.prev_sample
+            states.append(x)
+            if out.logprob is not None:
+                logprobs[:, i] = out.logprob
+        outputs = model.decode(x)
+    trajectory = torch.stack(states, dim=1)
+    return [Sample(request=r, latents=trajectory[k], sigmas=sigmas.clone(), logprobs=logprobs[k], output=outputs[k],
+                   extras={"cond": conds[k], "uncond": uncond}) for k, r in enumerate(requests)]
+
+
+def trainable(model: Any, lora: bool = True, rank: int = 4) -> Any:
+    """``model`` set up as a run sets it up: a LoRA adapter of ``rank`` (or full fine-tuning) and a reference."""
+    from omnirl_core.config import LoraConfig
+
+    model.setup_training(LoraConfig(enabled=lora, rank=rank, alpha=rank), need_reference=True)
+    return model
+
+
+def render(pipe: Any, steps: int = 2, **kwargs: Any) -> Any:
+    """One output of a diffusers pipeline for a fixed prompt and seed, as a tensor (images, or video frames)."""
+    import torch
+
+    out = pipe(prompt="a red square", num_inference_steps=steps, output_type="pt",
+               generator=torch.Generator().manual_seed(0), **kwargs)
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def check_batch_invariance(model: Any, height: int, width: int, num_frames: int | None = None,
+                           prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
+    """A sample's velocity does not depend on what shares its batch (other prompts of other lengths, other
+    sigmas), to 1e-5: the rollout engines batch requests freely and the trainer re-batches transitions."""
+    import torch
+
+    from omnirl_core.interfaces import Conditioning
+
+    shape = tuple(model.latent_shape(height, width, num_frames))
+    singles = [model.encode([p]) for p in prompts]
+    x = torch.randn(len(prompts), *shape, generator=torch.Generator().manual_seed(0))
+    s = torch.linspace(0.9, 0.3, len(prompts))
+    with torch.no_grad():
+        batch = model.velocity(x, s, Conditioning.cat(singles))
+        for i, single in enumerate(singles):
+            alone = model.velocity(x[i:i + 1], s[i:i + 1], single)
+            err = (alone[0] - batch[i]).abs().max().item()
+            assert err <= 1e-5, f"velocity of sample {i} changes with its batch by {err}"
+
+
+def check_logprob_consistency(model: Any, height: int, width: int, num_frames: int | None = None,
+                              guidance_scale: float = 1.0, steps: int = 4, eta: float = 0.7,
+                              prompts: Sequence[str] = ("a red square", "a red square", "a blue square, photo",
+                                                        "a blue square, photo")) -> None:
+    """Rollout and trainer compute the same numbers: with unchanged weights, the trainer's re-evaluation of
+    every stored SDE transition (``omnirl_core.flow.policy_gradient.transition_stats``, in micro-batches that
+    mix samples and steps unlike the rollout's batch) equals the rollout's log-prob to 1e-5 (the first PPO
+    ratio is 1), and the log-prob is differentiable in the trainable parameters."""
+    import torch
+
+    from omnirl_core.flow.policy_gradient import Transition, transition_stats
+    from omnirl_core.interfaces import RolloutPlan
+
+    plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=eta)
+    samples = rollout(model, _requests(prompts, height, width, num_frames, plan, guidance_scale, 100))
+    units = [Transition(s, j) for s in samples for j in plan.train_steps]
+    units = units[::2] + units[1::2]
+    stored = torch.stack([u.rollout_logprob for u in units])
+    assert bool(torch.isfinite(stored).all()), stored
+    with torch.no_grad():
+        for start in range(0, len(units), 5):
+            chunk = units[start:start + 5]
+            logp = transition_stats(model, chunk, eta)[2].cpu()
+            err = (logp - stored[start:start + 5]).abs().max().item()
+            assert err <= 1e-5, f"trainer log-prob differs from the rollout's by {err}"
+    logp = transition_stats(model, units[:4], eta)[2]
+    ratio = torch.exp(logp - stored[:4].to(logp.device))
+    assert (ratio - 1).abs().max().item() <= 1e-5, ratio
+    ratio.sum().backward()
+    grads = [p.grad for p in model.trainable_parameters() if p.grad is not None]
+    assert grads and any(float(g.abs().sum()) > 0 for g in grads), "no gradient reaches the trainable parameters"
+    for p in model.trainable_parameters():
+        p.grad = None
+
+
+def check_lora_roundtrip(model: Any, directory: Any, load_pipeline: Any, render: Any,
+                         load_lora: Any = None) -> None:
+    """The LoRA a run saves loads into the ecosystem's own pipeline: ``model`` (set up with LoRA) gets adapter
+    weights moved off their zero init (a stand-in for training), ``save_trained(directory)``; then a fresh
+    ``load_pipeline()`` renders differently after ``load_lora(pipe, directory)`` (default
+    ``pipe.load_lora_weights(directory)``), and every LoRA tensor the pipeline holds equals the trained one.
+    ``render(pipe)`` returns an output tensor from a fixed seed."""
+    from pathlib import Path
+
+    import torch
+    from peft.utils import get_peft_model_state_dict
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
+    files = model.save_trained(Path(directory))
+    assert files and all((Path(directory) / f).exists() for f in files), files
+    pipe = load_pipeline()
+    before = render(pipe)
+    (load_lora or (lambda pipe, d: pipe.load_lora_weights(str(d))))(pipe, Path(directory))
+    assert (render(pipe) - before).abs().max().item() > 1e-3, "the loaded LoRA does not change the output"
+    trained = model.trained_state_dict()
+    for name in model.trained_modules():
+        component = "transformer" if name == "denoiser" else name
+        module = getattr(pipe, component)
+        loaded = get_peft_model_state_dict(module, adapter_name=next(iter(module.peft_config)))
+        prefix = f"{component}."
+        mine = ({k[len(prefix):]: v for k, v in trained.items() if k.startswith(prefix)}
+                if any(k.startswith(prefix) for k in trained) else trained)
+        assert mine and loaded.keys() == mine.keys(), (sorted(loaded)[:3], sorted(mine)[:3])
+        for key, value in mine.items():
+            torch.testing.assert_close(loaded[key], value, msg=key)
 
 
 def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
@@ -95,6 +255,77 @@ def check_ar_model(model: Any, requests: Sequence[Any]) -> None:
     assert [r.shape for r in ref] == [b.shape for b in batch]
     assert isinstance(model.decode(completions[0]), str)
     assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
+
+
+def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
+    """The minimal AR sampling loop (``omnirl_core.ar.sampling``): each request on its own, its tokens drawn from
+    ``sampling_logprobs`` of the last position's logits with its own generator (seeded ``request.seed``, as the
+    rollout engines do) until a stop token or ``params.max_new_tokens``. Returns ``Sample`` objects with the
+    per-token log-probs and ``extras`` ``prompt`` / ``completion`` / ``sampling`` as the trainer reads them."""
+    import torch
+
+    from omnirl_core.ar.sampling import sample_tokens, sampling_logprobs
+    from omnirl_core.interfaces import Sample
+
+    out = []
+    head = model.module.get_output_embeddings()
+    for request in requests:
+        prompt = model.encode_prompt(request)
+        generator = torch.Generator().manual_seed(request.seed)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        with torch.no_grad():
+            while len(tokens) < params.max_new_tokens:
+                seq = torch.cat([prompt.input_ids, torch.stack(tokens).cpu()]) if tokens else prompt.input_ids
+                hidden = model.hidden_states(model.model_inputs([seq], [prompt.media], side="left"))
+                logp = sampling_logprobs(head(hidden[:, -1]), params)
+                token = sample_tokens(logp, [generator])
+                tokens.append(token[0].cpu())
+                logprobs.append(logp[0, token[0]].float().cpu())
+                if int(token[0]) in params.stop_token_ids:
+                    break
+        completion = torch.stack(tokens)
+        out.append(Sample(request=request, latents=None, sigmas=None, logprobs=torch.stack(logprobs),
+                          output=model.decode(completion),
+                          extras={"prompt": prompt, "completion": completion, "sampling": params,
+                                  "truncated": int(completion[-1]) not in params.stop_token_ids}))
+    return out
+
+
+def check_ar_logprob_consistency(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
+    """Rollout and trainer compute the same numbers for an AR model: completions sampled by ``ar_rollout`` are
+    re-scored by ``model.token_logprobs`` in micro-batches that mix the requests unlike the rollout (as the
+    trainer does) and every token's log-prob equals the sampled one to 1e-5; returns the samples."""
+    import torch
+
+    samples = ar_rollout(model, requests, params)
+    assert all(len(s.logprobs) >= 1 and bool(torch.isfinite(s.logprobs).all()) for s in samples)
+    order = list(range(0, len(samples), 2)) + list(range(1, len(samples), 2))
+    with torch.no_grad():
+        for start in range(0, len(order), 3):
+            chunk = [samples[i] for i in order[start:start + 3]]
+            rescored = model.token_logprobs([s.extras["prompt"] for s in chunk],
+                                            [s.extras["completion"] for s in chunk], [params] * len(chunk))
+            for s, lp in zip(chunk, rescored):
+                err = (lp.float().cpu() - s.logprobs).abs().max().item()
+                assert err < 1e-5, f"trainer log-probs differ from the sampled ones by {err}"
+    return samples
+
+
+def offline_error(setup: str, call: str) -> str:
+    """What a user sees when a checkpoint cannot be fetched: runs ``setup`` (imports) then ``call`` in a fresh
+    process with the hub offline (``HF_HUB_OFFLINE=1``), asserts that it raises omnirl's ``UsageError`` and
+    returns its rendered text."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"{setup}\nfrom omnirl_core.errors import UsageError\ntry:\n    {call}\n"
+            "except UsageError as e:\n    print('ERR', e.render())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.startswith("ERR "), out.stderr[-2000:]
+    return out.stdout[4:]
 
 
 def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, Any]]:
@@ -145,6 +376,91 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     print(f"{reward}: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
     assert last - first >= 2 * se, (first, last, se)
     return first, last, se
+
+
+def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None) -> Any:
+    """The Flow-SDE log-prob of a fixed pair of transitions under ``model`` (what every policy-gradient loss is
+    made of), as a scalar loss with grad: for gradient-checkpointing and memory checks."""
+    import torch
+
+    from omnirl_core.flow.sampler import step_mean, transition_logprob
+
+    generator = torch.Generator().manual_seed(1)
+    shape = (2, *model.latent_shape(height, width, num_frames))
+    x, x_next = (torch.randn(shape, generator=generator).to(model.device) for _ in range(2))
+    s, s_next = torch.tensor([0.9, 0.5], device=model.device), torch.tensor([0.8, 0.4], device=model.device)
+    v = model.velocity(x, s, model.encode(["a red square", "a blue car, photo"]))
+    mean, std = step_mean("sde", x, v, s, s_next, 0.7)
+    return -transition_logprob("sde", x_next, mean, std).mean()
+
+
+def check_gradient_checkpointing(plain: Any, checkpointed: Any, blocks: Any, size: int, large_size: int,
+                                 num_frames: int | None = None) -> None:
+    """Two models alike but for gradient checkpointing (set up for training, the same non-zero adapter): the
+    same loss and gradients (1e-5), and at ``large_size`` fewer than half the bytes kept for the backward pass
+    (``kept_for_backward_bytes`` over ``blocks(model)``, the checkpointed blocks)."""
+    import torch
+
+    results = []
+    for model in (plain, checkpointed):
+        for p in model.trainable_parameters():
+            p.grad = None
+        loss = sde_loss(model, size, size, num_frames)
+        loss.backward()
+        results.append((loss.detach(), [None if p.grad is None else p.grad.clone()
+                                        for p in model.trainable_parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
+    assert sum(g is not None and bool(g.abs().sum() > 0) for g in grads_a) >= 0.75 * len(grads_a)
+    for a, b in zip(grads_a, grads_b):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    kept = [kept_for_backward_bytes(
+        list(m.trained_modules().values()), blocks(m),
+        lambda m=m: sde_loss(m, large_size, large_size, num_frames).backward()) for m in (plain, checkpointed)]
+    assert kept[1] < 0.5 * kept[0], kept
+
+
+def matches_published(count: int, published: Any) -> bool:
+    """A parameter count against a published figure (``omnirl_core.plan.sizing.Published``): within 1 %, or within
+    the figure's own rounding when that is coarser (a truncated figure: the count lies in [value, value +
+    resolution))."""
+    if published.truncated:
+        return published.value <= count < published.value + published.resolution
+    return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
+
+
+def build_on_meta(build: Any, variants: Sequence[str] | None = None) -> Any:
+    """(``build()``'s modules, the seconds it took, MiB the process grew by) for a full-size build on the meta
+    device, diffusers and transformers imported first (imports are not what is measured); with ``variants``, a
+    dict of them, one per ``build(variant)``."""
+    import importlib
+    import importlib.util
+    import resource
+    import time
+
+    for library in ("diffusers", "transformers"):
+        if importlib.util.find_spec(library) is not None:
+            importlib.import_module(library)
+    if variants is not None:
+        return {v: build_on_meta(lambda v=v: build(v)) for v in variants}
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    components = build()
+    seconds = time.perf_counter() - start
+    return components, seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+
+
+def check_on_meta(components: dict[str, Any], seconds: float, grown_mib: float, max_seconds: float = 30,
+                  max_mib: float = 512) -> None:
+    """Every tensor of every module is on ``meta`` (no storage), the build took seconds and grew the process by
+    bookkeeping only (a full-size model in fp32 would be tens of GB)."""
+    for name, module in components.items():
+        tensors = list(module.parameters()) + list(module.buffers())
+        assert tensors and all(t.is_meta for t in tensors), name
+    assert seconds < max_seconds, f"building took {seconds:.1f} s"
+    assert grown_mib < max_mib, f"the process grew by {grown_mib:.0f} MiB"
 
 
 def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: Any) -> int:

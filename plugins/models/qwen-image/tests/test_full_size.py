@@ -3,44 +3,21 @@ parameter count against its published figure."""
 
 from __future__ import annotations
 
-import resource
-import time
-
 import pytest
 import torch
 from omnirl_plugin_qwen_image.full_size import PUBLISHED, full_size_components, parameter_counts
 
-
-def _matches(count: int, published) -> bool:
-    """Within 1 % of the figure, or within the figure's own rounding when that is coarser (a truncated figure:
-    the count lies in [value, value + resolution))."""
-    if published.truncated:
-        return published.value <= count < published.value + published.resolution
-    return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
+from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
 
 
 @pytest.fixture(scope="module")
 def built():
-    import diffusers  # noqa: F401  (imports are not what is measured)
-    import transformers  # noqa: F401
-
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
-    components = full_size_components()
-    seconds = time.perf_counter() - start
-    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-    return components, seconds, grown_mib
+    return build_on_meta(full_size_components)
 
 
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built):
-    components, seconds, grown_mib = built
-    assert set(components) == {"transformer", "vae", "text_encoder"}
-    for name, module in components.items():
-        tensors = list(module.parameters()) + list(module.buffers())
-        assert tensors and all(t.is_meta for t in tensors), name
-    assert seconds < 30, f"building took {seconds:.1f} s"
-    # 28.8 billion fp32 parameters would be 115 GB; the build may grow the process by bookkeeping only
-    assert grown_mib < 512, f"the process grew by {grown_mib:.0f} MiB"
+    assert set(built[0]) == {"transformer", "vae", "text_encoder"}
+    check_on_meta(*built)  # 28.8 billion fp32 parameters would be 115 GB
 
 
 def test_the_architecture_is_the_released_one(built):
@@ -56,7 +33,7 @@ def test_the_architecture_is_the_released_one(built):
 def test_parameter_count_matches_the_published_figure(built, component: str):
     count = parameter_counts(components=built[0])[component]
     published = PUBLISHED["qwen-image", component]
-    assert _matches(count, published), (
+    assert matches_published(count, published), (
         f"{component}: {count:,} vs published {published.value:,.0f} ({published.source})")
 
 

@@ -10,10 +10,14 @@ import torch
 from omnirl_plugin_qwen_image.model import QwenImageOptions, create_model, load_pipeline
 from omnirl_plugin_qwen_image.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.testing import (
+    check_flow_model,
+    check_logprob_consistency,
+    check_lora_roundtrip,
+    offline_error,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,75 +54,20 @@ def _model(tiny_dir: Path, lora: bool = True):
     return model
 
 
-def _rollout(model, guidance: float, steps: int = 4):
-    from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine
-
-    plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=0.9)
-    requests = [
-        GenRequest(uid=i, prompt=p, prompt_index=i // 2, group=i // 2, seed=100 + i, height=32, width=32,
-                   plan=plan, guidance_scale=guidance, noise_seed=100 + i)
-        for i, p in enumerate(["a red square", "a red square", "a blue square, photo", "a blue square, photo"])
-    ]
-    return list(DiffusersRolloutEngine(model, None, "cpu").generate(requests))
-
-
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_trainer_reevaluation_equals_rollout_logprob(tiny_dir: Path, guidance: float):
     """With unchanged weights the trainer's log-prob of every stored transition equals the rollout's
     (fp32, CPU) to 1e-5: the first PPO ratio is 1."""
-    model = _model(tiny_dir)
-    samples = _rollout(model, guidance)
-    config = RunConfig()
-    config.rollout.num_steps = 4
-    algo = FlowPolicyGradient(type("O", (), {"beta": 0.0, "global_std": True, "adv_clip": 5.0,
-                                             "clip_range": 1e-4})(), config)
-    units = algo.training_units(samples)
-    assert len(units) == 4 * 3
-    # micro-batches that mix prompts, samples and steps differently from the rollout's batches
-    units = units[::2] + units[1::2]
-    with torch.no_grad():
-        for start in range(0, len(units), 5):
-            metrics = algo.prepare(model, units[start:start + 5])
-            assert metrics["logprob/abs_delta_max"] <= 1e-5, metrics
-    old = torch.stack([u.old_logprob for u in units])
-    rollout = torch.stack([u.rollout_logprob for u in units])
-    assert torch.isfinite(rollout).all()
-    assert (old - rollout).abs().max().item() <= 1e-5
-    for u in units:
-        u.sample.advantage = 1.0
-    _, metrics = algo.loss(model, units[:6], first_update=True)
-    assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["clip_frac"] == 0.0
+    check_logprob_consistency(_model(tiny_dir), 32, 32, guidance_scale=guidance, eta=0.9)
 
 
 def test_lora_checkpoint_loads_into_a_diffusers_pipeline_and_changes_its_output(tiny_dir: Path, tmp_path: Path):
-    model = _model(tiny_dir)
-    with torch.no_grad():  # stand-in for training: move the LoRA weights away from their zero init
-        g = torch.Generator().manual_seed(0)
-        for p in model.trainable_parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    files = model.save_trained(tmp_path / "ckpt")
-    assert files == ["pytorch_lora_weights.safetensors"]
-
     def render(pipe):
         return pipe(prompt="a red square", height=32, width=32, num_inference_steps=3, output_type="pt",
                     generator=torch.Generator().manual_seed(0)).images
 
-    pipe = load_pipeline(str(tiny_dir), torch.float32)
-    before = render(pipe)
-    pipe.load_lora_weights(str(tmp_path / "ckpt"))
-    after = render(pipe)
-    assert (after - before).abs().max().item() > 1e-3
-    # and the same LoRA reproduces the trained model's own velocity
-    from peft.utils import get_peft_model_state_dict
-
-    adapter = next(iter(pipe.transformer.peft_config))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=adapter)
-    trained = model.trained_state_dict()
-    assert set(loaded) and len(loaded) == len(trained)
-    for key, value in trained.items():
-        assert key in loaded, key
-        torch.testing.assert_close(loaded[key], value)
+    check_lora_roundtrip(_model(tiny_dir), tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dir), torch.float32),
+                         render)
 
 
 def test_full_finetune_reference_is_a_frozen_copy(tiny_dir: Path):
@@ -137,23 +86,12 @@ def test_full_finetune_reference_is_a_frozen_copy(tiny_dir: Path):
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    import os
-    import subprocess
-    import sys
-
-    code = ("import torch\nfrom omnirl_plugin_qwen_image.model import load_pipeline\n"
-            "from omnirl_core.errors import UsageError\n"
-            "try:\n    load_pipeline('Qwen/Qwen-Image', torch.float32)\nexcept UsageError as e:\n"
-            "    print('ERR', e.render())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=False)
-    assert "ERR Could not load Qwen-Image from 'Qwen/Qwen-Image'" in out.stdout, out.stderr[-2000:]
-    assert "--preset tiny" in out.stdout
+    text = offline_error("import torch\nfrom omnirl_plugin_qwen_image.model import load_pipeline",
+                         "load_pipeline('Qwen/Qwen-Image', torch.float32)")
+    assert "Could not load Qwen-Image from 'Qwen/Qwen-Image'" in text and "--preset tiny" in text
 
 
 def test_flow_model_contract(tiny_dir: Path):
-    from omnirl_core.testing import check_flow_model
-
     check_flow_model(_model(tiny_dir), height=32, width=32)
 
 

@@ -1,7 +1,8 @@
 """omnirl model plugin: Stable Diffusion 3.5 (diffusers). Importing this module is cheap: no torch."""
 
 from omnirl_core import hookimpl
-from omnirl_core.registry import ModelSpec
+from omnirl_core.presets import tiny_defaults
+from omnirl_core.registry import ModelLimits, ModelSpec
 
 
 @hookimpl
@@ -16,20 +17,12 @@ def omnirl_register_models(register):
             config="omnirl_plugin_sd35.model:SD35Options",
             capabilities=frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "image"}),
             presets=("tiny",),
+            limits={"tiny": ModelLimits(size_multiple=8), None: ModelLimits(size_multiple=16)},
             default_path="stabilityai/stable-diffusion-3.5-medium",
             recipe_defaults={
                 "rollout": {"height": 512, "width": 512, "num_steps": 10, "guidance_scale": 4.5},
                 "rewards": [{"name": "jpeg"}],
             },
-            preset_defaults={
-                "tiny": {
-                    "rollout": {"height": 32, "width": 32, "num_steps": 6, "guidance_scale": 1.0,
-                                "prompts_per_step": 4, "group_size": 8},
-                    "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
-                    "model": {"lora": {"rank": 16, "alpha": 16}, "options": {"max_sequence_length": 16}},
-                    "rewards": [{"name": "color"}],
-                    "run": {"steps": 200, "save_every": 50, "sample_every": 20},
-                }
-            },
+            preset_defaults={"tiny": tiny_defaults(model={"options": {"max_sequence_length": 16}})},
         )
     )

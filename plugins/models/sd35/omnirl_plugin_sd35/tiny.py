@@ -15,24 +15,18 @@ from pathlib import Path
 
 import torch
 
-from omnirl_core.presets import clip_tokenizer, t5_tokenizer, widen_decoder_range
+from omnirl_core.presets import (
+    clip_tokenizer,
+    t5_tokenizer,
+    tiny_clip_text_encoder,
+    tiny_t5_encoder,
+    widen_decoder_range,
+)
 
 TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
 LAYOUTS = ("medium", "large")
 CLIP_DIM = 32  # each CLIP: hidden and projection width
 T5_DIM = 64  # >= 2 * CLIP_DIM: the concatenated CLIP states are zero-padded to it
-
-
-def _clip(tokenizer, seed: int):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    torch.manual_seed(seed)
-    return CLIPTextModelWithProjection(CLIPTextConfig(
-        hidden_size=CLIP_DIM, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
-        vocab_size=len(tokenizer), projection_dim=CLIP_DIM, max_position_embeddings=77, hidden_act="gelu",
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )).eval()
 
 
 def build_tiny_pipeline(layout: str = "medium", seed: int = 0):
@@ -44,7 +38,6 @@ def build_tiny_pipeline(layout: str = "medium", seed: int = 0):
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import T5Config, T5EncoderModel
 
     if layout not in LAYOUTS:
         raise ValueError(f"unknown SD3.5 layout {layout!r}; expected one of {LAYOUTS}")
@@ -82,19 +75,14 @@ def build_tiny_pipeline(layout: str = "medium", seed: int = 0):
         scaling_factor=1.5035,
     )
     widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out, (2, 16, 4, 4))
-    torch.manual_seed(seed + 2)
-    text_encoder_3 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_3), d_model=T5_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=tokenizer_3.pad_token_id,
-        eos_token_id=tokenizer_3.eos_token_id, decoder_start_token_id=tokenizer_3.pad_token_id,
-    )).eval()
+    text_encoder_3 = tiny_t5_encoder(tokenizer_3, d_model=T5_DIM, d_kv=16, d_ff=64, seed=seed + 2)
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=vae,
-        text_encoder=_clip(tokenizer, seed + 3),
+        text_encoder=tiny_clip_text_encoder(tokenizer, CLIP_DIM, seed + 3, projection=True),
         tokenizer=tokenizer,
-        text_encoder_2=_clip(tokenizer, seed + 4),
+        text_encoder_2=tiny_clip_text_encoder(tokenizer, CLIP_DIM, seed + 4, projection=True),
         tokenizer_2=tokenizer,
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,

@@ -3,45 +3,21 @@ component's parameter count against its published figure."""
 
 from __future__ import annotations
 
-import resource
-import time
-
 import pytest
 from omnirl_plugin_sd35.full_size import PUBLISHED, VARIANTS, full_size_components, parameter_counts
 
-
-def _matches(count: int, published) -> bool:
-    """Within 1 % of the figure, or within the figure's own rounding when that is coarser (a truncated figure:
-    the count lies in [value, value + resolution))."""
-    if published.truncated:
-        return published.value <= count < published.value + published.resolution
-    return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
+from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
 
 
 @pytest.fixture(scope="module")
 def built():
-    import diffusers  # noqa: F401  (imports are not what is measured)
-    import transformers  # noqa: F401
-
-    out = {}
-    for variant in VARIANTS:
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        start = time.perf_counter()
-        components = full_size_components(variant)
-        seconds = time.perf_counter() - start
-        out[variant] = components, seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-    return out
+    return build_on_meta(full_size_components, VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built, variant: str):
-    components, seconds, grown_mib = built[variant]
-    assert set(components) == {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"}
-    for name, module in components.items():
-        tensors = list(module.parameters()) + list(module.buffers())
-        assert tensors and all(t.is_meta for t in tensors), name
-    assert seconds < 30, f"building took {seconds:.1f} s"
-    assert grown_mib < 512, f"the process grew by {grown_mib:.0f} MiB"  # Large in fp32 would be 54 GB
+    assert set(built[variant][0]) == {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"}
+    check_on_meta(*built[variant])  # Large in fp32 would be 54 GB
 
 
 def test_the_layouts_are_the_released_ones(built):
@@ -58,7 +34,7 @@ def test_the_layouts_are_the_released_ones(built):
 def test_parameter_count_matches_the_published_figure(built, variant: str, component: str):
     count = parameter_counts(variant, built[variant][0])[component]
     published = PUBLISHED[variant, component]
-    assert _matches(count, published), (
+    assert matches_published(count, published), (
         f"{variant} {component}: {count:,} vs published {published.value:,.0f} ({published.source})")
 
 

@@ -5,7 +5,6 @@ encoding, clear errors, and the real CLI end to end."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,14 @@ import torch
 from omnirl_plugin_sd35.model import SD35Options, create_model, load_pipeline
 from omnirl_plugin_sd35.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.testing import (
+    check_flow_model,
+    check_logprob_consistency,
+    check_lora_roundtrip,
+    offline_error,
+)
 
 LAYOUTS = ("medium", "large")
 SIZE = 32
@@ -69,8 +72,6 @@ def test_without_t5_the_encoder_is_not_loaded_and_its_embedding_part_is_zero(tin
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flow_model_contract(tiny_dirs, layout: str):
-    from omnirl_core.testing import check_flow_model
-
     check_flow_model(_model(tiny_dirs[layout], layout), height=SIZE, width=SIZE)
 
 
@@ -94,60 +95,18 @@ def test_velocity_matches_the_pipelines_own_denoising(tiny_dirs):
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
 
 
-def _rollout(model, guidance: float, steps: int = 4):
-    from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine
-
-    plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=0.7)
-    prompts = ["a red square", "a red square", "a blue square, photo", "a blue square, photo"]
-    requests = [
-        GenRequest(uid=i, prompt=p, prompt_index=i // 2, group=i // 2, seed=100 + i, height=SIZE, width=SIZE,
-                   plan=plan, guidance_scale=guidance, noise_seed=100 + i)
-        for i, p in enumerate(prompts)
-    ]
-    return list(DiffusersRolloutEngine(model, None, "cpu").generate(requests))
-
-
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
 def test_trainer_reevaluation_equals_rollout_logprob(tiny_dirs, guidance: float):
-    model = _model(tiny_dirs["medium"])
-    samples = _rollout(model, guidance)
-    config = RunConfig()
-    config.rollout.num_steps = 4
-    options = type("O", (), {"beta": 0.0, "global_std": True, "adv_clip": 5.0, "clip_range": 1e-4})()
-    algo = FlowPolicyGradient(options, config)
-    units = algo.training_units(samples)
-    units = units[::2] + units[1::2]
-    with torch.no_grad():
-        for start in range(0, len(units), 5):
-            metrics = algo.prepare(model, units[start:start + 5])
-            assert metrics["logprob/abs_delta_max"] <= 1e-5, metrics
-    for u in units:
-        u.sample.advantage = 1.0
-    _, metrics = algo.loss(model, units[:6], first_update=True)
-    assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-5) and metrics["clip_frac"] == 0.0
+    check_logprob_consistency(_model(tiny_dirs["medium"]), SIZE, SIZE, guidance_scale=guidance)
 
 
 def test_lora_checkpoint_loads_into_a_diffusers_pipeline(tiny_dirs, tmp_path: Path):
-    from peft.utils import get_peft_model_state_dict
-
     model = _model(tiny_dirs["medium"])
     names = {n for n, p in model.denoiser.named_parameters() if p.requires_grad}
     assert any(".attn2." in n for n in names)  # MMDiT-X's second attention is adapted too
     assert any("ff_context" in n for n in names) and any("add_q_proj" in n for n in names)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.trainable_parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-    assert model.save_trained(tmp_path / "ckpt") == ["pytorch_lora_weights.safetensors"]
-    pipe = load_pipeline(str(tiny_dirs["medium"]), torch.float32)
-    before = _render(pipe, steps=3)
-    pipe.load_lora_weights(str(tmp_path / "ckpt"))
-    assert (_render(pipe, steps=3) - before).abs().max() > 1e-3
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name=next(iter(pipe.transformer.peft_config)))
-    trained = model.trained_state_dict()
-    assert loaded.keys() == trained.keys()
-    for key, value in trained.items():
-        torch.testing.assert_close(loaded[key], value)
+    check_lora_roundtrip(model, tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dirs["medium"]), torch.float32),
+                         lambda pipe: _render(pipe, steps=3))
 
 
 def test_encode_images_inverts_decode_shape_and_is_deterministic(tiny_dirs):
@@ -172,14 +131,9 @@ def test_layout_mismatch_and_bad_sizes_are_clear_errors(tiny_dirs, tmp_path: Pat
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    code = ("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline\n"
-            "from omnirl_core.errors import UsageError\n"
-            "try:\n    load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)\n"
-            "except UsageError as e:\n    print('ERR', e.render())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert "ERR Could not load SD3.5 from 'stabilityai/stable-diffusion-3.5-medium'" in out.stdout, out.stderr[-2000:]
-    assert "--preset tiny" in out.stdout
+    text = offline_error("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline",
+                         "load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)")
+    assert "Could not load SD3.5 from 'stabilityai/stable-diffusion-3.5-medium'" in text and "--preset tiny" in text
 
 
 def test_importing_the_plugin_is_cheap():
@@ -190,7 +144,7 @@ def test_importing_the_plugin_is_cheap():
 
 def _installed_algorithms() -> set[str]:
     exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "algos", "--format", "json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
     return {a["name"] for a in json.loads(out.stdout)}
 
 

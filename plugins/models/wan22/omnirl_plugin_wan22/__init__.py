@@ -1,7 +1,8 @@
 """omnirl model plugin: Wan2.2 text-to-video (diffusers). Importing this module is cheap: no torch."""
 
 from omnirl_core import hookimpl
-from omnirl_core.registry import ModelSpec
+from omnirl_core.presets import tiny_defaults
+from omnirl_core.registry import ModelLimits, ModelSpec
 
 
 @hookimpl
@@ -16,21 +17,24 @@ def omnirl_register_models(register):
             config="omnirl_plugin_wan22.model:Wan22Options",
             capabilities=frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "video"}),
             presets=("tiny",),
+            limits="omnirl_plugin_wan22:limits",
             default_path="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
             recipe_defaults={
                 "rollout": {"height": 480, "width": 832, "num_frames": 33, "num_steps": 16,
                             "guidance_scale": 4.0},
                 "rewards": [{"name": "color"}],
             },
-            preset_defaults={
-                "tiny": {
-                    "rollout": {"height": 16, "width": 16, "num_frames": 5, "num_steps": 6, "guidance_scale": 1.0,
-                                "prompts_per_step": 4, "group_size": 8},
-                    "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
-                    "model": {"lora": {"rank": 16, "alpha": 16}, "options": {"max_sequence_length": 16}},
-                    "rewards": [{"name": "color"}],
-                    "run": {"steps": 200, "save_every": 50, "sample_every": 20},
-                }
-            },
+            preset_defaults={"tiny": tiny_defaults(
+                rollout={"height": 16, "width": 16, "num_frames": 5}, model={"options": {"max_sequence_length": 16}},
+            )},
         )
     )
+
+
+def limits(section, options) -> ModelLimits:
+    """Sizes: VAE downsampling x patch 2 (a14b: 8 x 2, ti2v-5b: 16 x 2); frames: 4k+1. The tiny VAEs downsample
+    one level fewer in space and time (x 1/2, 2k+1 frames)."""
+    multiple = {"a14b": 16, "ti2v-5b": 32}[options.layout if options is not None else "a14b"]
+    if section.preset == "tiny":
+        return ModelLimits(size_multiple=multiple // 2, frame_multiple=2)
+    return ModelLimits(size_multiple=multiple, frame_multiple=4)

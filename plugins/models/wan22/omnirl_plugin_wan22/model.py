@@ -14,6 +14,7 @@ average over every element). Two layouts:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,9 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.model import DTYPES, DenoiserModel, load_diffusers_pipeline
+from omnirl_core.flow.model import DenoiserModel, create_flow_model, guided_velocity, load_diffusers_pipeline
 from omnirl_core.interfaces import Conditioning
-from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_core.runtime.weight_sync import cpu_copy
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
@@ -133,7 +133,7 @@ class Wan22Model(DenoiserModel):
             targets = lora.target_modules or list(self.default_lora_targets)
             for name in self.trained:
                 self.experts[name].add_adapter(PeftLoraConfig(
-                    r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=True))
+                    r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=lora.peft_init))
             self.lora = lora
         else:
             for name in self.trained:
@@ -264,15 +264,10 @@ class Wan22Model(DenoiserModel):
 
     def _expert_velocity(self, name: str, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
                          uncond: Conditioning | None, guidance_scale: float) -> torch.Tensor:
-        v = self._forward(self.experts[name], x, sigma, cond)
-        if guidance_scale <= 1.0:
-            return v
         scale = guidance_scale
-        if name == LOW and self.options.guidance_scale_2 is not None:
+        if guidance_scale > 1.0 and name == LOW and self.options.guidance_scale_2 is not None:
             scale = self.options.guidance_scale_2
-        with torch.no_grad():  # the unconditional branch is detached in training
-            v_u = self._forward(self.experts[name], x, sigma, uncond)
-        return v_u + scale * (v - v_u)
+        return guided_velocity(lambda c: self._forward(self.experts[name], x, sigma, c), cond, uncond, scale)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -352,13 +347,6 @@ class Wan22Model(DenoiserModel):
         self.load_trained_state_dict(state)
 
 
-def _tiny_directory(layout: str, seed: int) -> Path:
-    from omnirl_plugin_wan22.tiny import TINY_VERSION, save_tiny
-
-    target = cache_dir() / "presets" / f"wan2.2-{layout}-tiny-v{TINY_VERSION}-seed{seed}"
-    return atomic_directory(target, lambda tmp: save_tiny(tmp, layout=layout, seed=seed))
-
-
 def load_pipeline(path: str, dtype: torch.dtype):
     """``WanPipeline.from_pretrained`` on a local directory or a hub id, with a clear error."""
     from diffusers import WanPipeline
@@ -378,12 +366,13 @@ def check_layout(pipeline: Any, layout: str, path: str) -> None:
 
 
 def create_model(section: ModelSection, options: Wan22Options | None, device: Any) -> Wan22Model:
+    from diffusers import WanPipeline
+
+    from omnirl_plugin_wan22.tiny import TINY_VERSION, build_tiny_pipeline
+
     options = options or Wan22Options()
-    dtype = DTYPES[section.dtype]
-    path = checkpoint_path(section, "wan2.2", lambda: _tiny_directory(options.layout, options.tiny_seed),
-                           HUB_IDS[options.layout])
-    pipeline = load_pipeline(path, dtype)
-    check_layout(pipeline, options.layout, path)
-    pipeline = pipeline.to(device)
-    pipeline.set_progress_bar_config(disable=True)
-    return Wan22Model(pipeline, options, torch.device(device), dtype)
+    return create_flow_model(
+        Wan22Model, WanPipeline, section, options, device, label="Wan2.2", default=HUB_IDS[options.layout],
+        tiny=(f"wan2.2-{options.layout}", TINY_VERSION, functools.partial(build_tiny_pipeline, options.layout)),
+        check=lambda pipeline, path: check_layout(pipeline, options.layout, path),
+    )

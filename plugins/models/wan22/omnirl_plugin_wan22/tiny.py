@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from omnirl_core.presets import t5_tokenizer, widen_decoder_range
+from omnirl_core.presets import t5_tokenizer, tiny_t5_encoder, widen_decoder_range
 
 TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
 TEXT_DIM = 32
@@ -49,7 +49,6 @@ def build_tiny_pipeline(layout: str = "a14b", seed: int = 0):
     """A WanPipeline with random weights: transformer(s) 2 layers / 2 heads x 12, UMT5 encoder d_model 32 /
     2 layers, VAE base_dim 8 with one residual block per level."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-    from transformers import UMT5Config, UMT5EncoderModel
 
     if layout not in LAYOUTS:
         raise ValueError(f"unknown Wan2.2 layout {layout!r}; expected one of {LAYOUTS}")
@@ -75,12 +74,7 @@ def build_tiny_pipeline(layout: str = "a14b", seed: int = 0):
     if layout == "a14b":
         torch.manual_seed(seed + 3)
         transformer_2 = _transformer(vae.config.z_dim)
-    torch.manual_seed(seed + 2)
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=TEXT_DIM, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-    )).eval()
+    text_encoder = tiny_t5_encoder(tokenizer, d_model=TEXT_DIM, d_kv=8, d_ff=37, seed=seed + 2, umt5=True)
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0 if layout == "a14b" else 5.0
     )

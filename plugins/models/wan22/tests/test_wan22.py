@@ -5,7 +5,6 @@ reads, clear errors, and the real CLI end to end."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +14,14 @@ import torch
 from omnirl_plugin_wan22.model import LORA_FILES, Wan22Options, create_model, load_pipeline
 from omnirl_plugin_wan22.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.testing import (
+    check_flow_model,
+    check_logprob_consistency,
+    check_lora_roundtrip,
+    offline_error,
+)
 
 LAYOUTS = ("a14b", "ti2v-5b")
 SIZE, FRAMES = 16, 5
@@ -60,8 +63,6 @@ def test_tiny_preset_saves_and_reloads_through_from_pretrained(tiny_dirs, layout
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flow_model_contract(tiny_dirs, layout: str):
-    from omnirl_core.testing import check_flow_model
-
     model = _model(tiny_dirs[layout], layout)
     check_flow_model(model, height=SIZE, width=SIZE, num_frames=FRAMES)
     shape = model.latent_shape(SIZE, SIZE, FRAMES)
@@ -125,45 +126,15 @@ def test_a_single_module_engine_is_refused_when_both_experts_train(tiny_dirs):
     assert _model(tiny_dirs["ti2v-5b"], "ti2v-5b").denoiser is not None
 
 
-def _rollout(model, guidance: float, steps: int = 6):
-    from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine
-
-    plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=0.7)
-    prompts = ["a red square", "a red square", "a blue square, photo", "a blue square, photo"]
-    requests = [
-        GenRequest(uid=i, prompt=p, prompt_index=i // 2, group=i // 2, seed=100 + i, height=SIZE, width=SIZE,
-                   num_frames=FRAMES, plan=plan, guidance_scale=guidance, noise_seed=100 + i)
-        for i, p in enumerate(prompts)
-    ]
-    return list(DiffusersRolloutEngine(model, None, "cpu").generate(requests))
-
-
 @pytest.mark.parametrize("layout,guidance", [("a14b", 1.0), ("a14b", 4.0), ("ti2v-5b", 1.0), ("ti2v-5b", 4.0)])
 def test_trainer_reevaluation_equals_rollout_logprob(tiny_dirs, layout: str, guidance: float):
     """With unchanged weights the trainer's log-prob of every stored video transition equals the rollout's
     to 1e-5, also when a micro-batch mixes steps of both experts."""
     model = _model(tiny_dirs[layout], layout, guidance_scale_2=3.0 if layout == "a14b" else None)
-    samples = _rollout(model, guidance)
-    sigmas = samples[0].sigmas[:-2]
+    sigmas = model.sigmas(6, model.latent_shape(SIZE, SIZE, FRAMES))[:-2]
     if layout == "a14b":  # the trained steps span both experts
         assert (sigmas >= 0.875).any() and (sigmas < 0.875).any(), sigmas
-    config = RunConfig()
-    config.rollout.num_steps = 6
-    options = type("O", (), {"beta": 0.0, "global_std": True, "adv_clip": 5.0, "clip_range": 1e-4})()
-    algo = FlowPolicyGradient(options, config)
-    units = algo.training_units(samples)
-    assert len(units) == 4 * 5
-    units = units[::2] + units[1::2]  # micro-batches that mix samples and steps unlike the rollout's
-    with torch.no_grad():
-        for start in range(0, len(units), 7):
-            metrics = algo.prepare(model, units[start:start + 7])
-            assert metrics["logprob/abs_delta_max"] <= 1e-5, metrics
-    rollout = torch.stack([u.rollout_logprob for u in units])
-    assert torch.isfinite(rollout).all()
-    for u in units:
-        u.sample.advantage = 1.0
-    _, metrics = algo.loss(model, units[:8], first_update=True)
-    assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-5) and metrics["clip_frac"] == 0.0
+    check_logprob_consistency(model, SIZE, SIZE, FRAMES, guidance_scale=guidance, steps=6)
 
 
 def test_low_noise_guidance_scale_applies_to_the_low_noise_expert_only(tiny_dirs):
@@ -190,26 +161,14 @@ def _perturb(model, scale: float = 0.3) -> None:
 
 
 def test_a14b_lora_of_both_experts_loads_into_a_wan_pipeline(tiny_dirs, tmp_path: Path):
-    from peft.utils import get_peft_model_state_dict
+    def load_both(pipe, directory):
+        pipe.load_lora_weights(str(directory))
+        pipe.load_lora_weights(str(directory), weight_name=LORA_FILES["transformer_2"], load_into_transformer_2=True)
 
     model = _model(tiny_dirs["a14b"], "a14b")
-    _perturb(model)
-    files = model.save_trained(tmp_path / "ckpt")
-    assert files == [LORA_FILES["transformer"], LORA_FILES["transformer_2"]]
-    pipe = load_pipeline(str(tiny_dirs["a14b"]), torch.float32)
-    before = _render(pipe, steps=4)
-    pipe.load_lora_weights(str(tmp_path / "ckpt"))
-    pipe.load_lora_weights(str(tmp_path / "ckpt"), weight_name=LORA_FILES["transformer_2"],
-                           load_into_transformer_2=True)
-    assert (_render(pipe, steps=4) - before).abs().max() > 1e-3
-    trained = model.trained_state_dict()
-    for name in ("transformer", "transformer_2"):
-        module = getattr(pipe, name)
-        loaded = get_peft_model_state_dict(module, adapter_name=next(iter(module.peft_config)))
-        mine = {k.removeprefix(f"{name}."): v for k, v in trained.items() if k.startswith(f"{name}.")}
-        assert loaded.keys() == mine.keys() and mine
-        for key, value in mine.items():
-            torch.testing.assert_close(loaded[key], value)
+    check_lora_roundtrip(model, tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dirs["a14b"]), torch.float32),
+                         lambda pipe: _render(pipe, steps=4), load_both)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(LORA_FILES.values())
 
 
 def test_a14b_training_only_the_low_noise_expert(tiny_dirs, tmp_path: Path):
@@ -278,14 +237,9 @@ def test_video_rewards_resolve_and_image_only_rewards_are_refused():
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    code = ("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline\n"
-            "from omnirl_core.errors import UsageError\n"
-            "try:\n    load_pipeline('Wan-AI/Wan2.2-T2V-A14B-Diffusers', torch.float32)\nexcept UsageError as e:\n"
-            "    print('ERR', e.render())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert "ERR Could not load Wan2.2 from 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'" in out.stdout, out.stderr[-2000:]
-    assert "--preset tiny" in out.stdout
+    text = offline_error("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline",
+                         "load_pipeline('Wan-AI/Wan2.2-T2V-A14B-Diffusers', torch.float32)")
+    assert "Could not load Wan2.2 from 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'" in text and "--preset tiny" in text
 
 
 def test_importing_the_plugin_is_cheap():
@@ -296,7 +250,7 @@ def test_importing_the_plugin_is_cheap():
 
 def _installed_algorithms() -> set[str]:
     exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "algos", "--format", "json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
     return {a["name"] for a in json.loads(out.stdout)}
 
 
