@@ -1,4 +1,4 @@
-"""The rollout engine on the tiny Qwen-Image preset (random weights, CPU, fp32): batch invariance across
+"""The rollout engine on the core's toy flow model (random weights, CPU, fp32): batch invariance across
 modes and mixed shapes, the trainer's re-evaluation, streaming, fairness, arrivals and the embedding cache."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine, DiffusersRolloutOptions
 
-from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.config import LoraConfig, RunConfig
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
@@ -29,9 +29,9 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model():
-    from omnirl_plugin_qwen_image.model import create_model
+    from omnirl_core.testing.flow_toy import ToyFlowModel
 
-    m = create_model(ModelSection(name="qwen-image", preset="tiny"), None, "cpu")
+    m = ToyFlowModel()
     # as in training: a LoRA adapter on the denoiser (zero-initialised, so outputs are the base model's)
     m.setup_training(LoraConfig(rank=4, alpha=4), need_reference=False)
     return m

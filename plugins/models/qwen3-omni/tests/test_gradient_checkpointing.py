@@ -16,14 +16,13 @@ import pytest
 import torch
 from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model
 from omnirl_plugin_qwen3_omni.tiny import save_tiny
-from omnirl_plugin_transformers.engine import TransformersRolloutEngine, TransformersRolloutOptions
 from PIL import Image
 
 from omnirl_core.ar.policy_gradient import AR_PLAN
 from omnirl_core.ar.sampling import SamplingParams
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.interfaces import GenRequest
-from omnirl_core.testing import kept_for_backward_bytes
+from omnirl_core.testing import ar_rollout, kept_for_backward_bytes
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +93,8 @@ def test_rollout_is_unchanged_by_checkpointing(models):
     """Generation runs without grad: the same tokens and log-probs with the decoder layers in training mode."""
     requests = [GenRequest(uid=i, prompt="Which letter? A or B.", prompt_index=0, group=0, seed=10 + i, height=0,
                            width=0, plan=AR_PLAN) for i in range(3)]
-    runs = [list(TransformersRolloutEngine(models[c], TransformersRolloutOptions(max_new_tokens=4), "cpu")
-                 .generate(requests)) for c in (False, True)]
+    runs = [ar_rollout(models[c], requests, SamplingParams(max_new_tokens=4, stop_token_ids=models[c].stop_token_ids))
+            for c in (False, True)]
     for a, b in zip(*runs):
         assert torch.equal(a.extras["completion"], b.extras["completion"])
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-6)

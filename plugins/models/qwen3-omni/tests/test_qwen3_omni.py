@@ -15,14 +15,14 @@ import torch
 from omnirl_plugin_qwen3_omni.media import audio_token_count, load_audio
 from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model, load_thinker
 from omnirl_plugin_qwen3_omni.tiny import save_tiny
-from omnirl_plugin_transformers.engine import TransformersRolloutEngine, TransformersRolloutOptions
 from PIL import Image
 
-from omnirl_core.ar.policy_gradient import AR_PLAN, TokenPolicyGradient
-from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.ar.policy_gradient import AR_PLAN
+from omnirl_core.ar.sampling import SamplingParams
+from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest
-from omnirl_core.testing import check_ar_model, run_train
+from omnirl_core.testing import ar_rollout, check_ar_logprob_consistency, check_ar_model, run_train
 
 
 @pytest.fixture(scope="module")
@@ -140,58 +140,28 @@ PROMPTS = [
 ]
 
 
+def _params(model, max_new_tokens: int = 6, allowed_tokens: tuple[str, ...] = (), **sampling) -> SamplingParams:
+    stop = model.stop_token_ids
+    allowed = tuple(dict.fromkeys([model.token_id(t) for t in allowed_tokens] + list(stop))) if allowed_tokens else None
+    return SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop, allowed_token_ids=allowed, **sampling)
+
+
 @pytest.mark.parametrize("sampling", [
     {"temperature": 1.0},
     {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
-    {"temperature": 1.3, "allowed_tokens": ["A", "B", "C"]},
+    {"temperature": 1.3, "allowed_tokens": ("A", "B", "C")},
 ])
 def test_trainer_rescoring_equals_rollout_logprobs(shared_model, media: dict[str, str], sampling: dict):
     """With unchanged weights the trainer's log-prob of every sampled token equals the rollout's to 1e-5,
-    whatever the sampling processors, for text, image and audio prompts batched together."""
+    whatever the sampling processors, for text, image and audio prompts re-scored in mixed batches."""
     model = shared_model
     prompts = PROMPTS + [("Describe the picture.", {"image": media["image"]}),
                          ("What do you hear?", {"audio": media["audio"]})]
-    options = TransformersRolloutOptions(max_new_tokens=6, **sampling)
-    samples = list(TransformersRolloutEngine(model, options, "cpu").generate(_requests(prompts)))
-    assert len(samples) == 8 and all(len(s.logprobs) >= 1 for s in samples)
-    assert all(torch.isfinite(s.logprobs).all() for s in samples)
+    samples = check_ar_logprob_consistency(model, _requests(prompts), _params(model, **sampling))
+    assert len(samples) == 8
     if "allowed_tokens" in sampling:
         allowed = {model.token_id(t) for t in "ABC"} | set(model.stop_token_ids)
         assert all(set(s.extras["completion"].tolist()) <= allowed for s in samples)
-    config = RunConfig()
-    algo = TokenPolicyGradient(type("O", (), {"beta": 0.0})(), config)
-    units = algo.training_units(samples)
-    units = units[::2] + units[1::2]  # micro-batches mix prompts differently from the rollout batch
-    deltas = []
-    with torch.no_grad():
-        for start in range(0, len(units), 3):
-            metrics = algo.prepare(model, units[start:start + 3])
-            deltas.append(metrics["logprob/abs_delta_max"])
-    assert max(deltas) < 1e-5
-
-
-def test_a_request_samples_the_same_tokens_alone_or_in_a_batch(shared_model):
-    model = shared_model
-    engine = TransformersRolloutEngine(model, TransformersRolloutOptions(max_new_tokens=5), "cpu")
-    batch = list(engine.generate(_requests(PROMPTS, group_size=3)))
-    [alone] = engine.generate([_requests(PROMPTS, group_size=3)[4]])
-    assert torch.equal(batch[4].extras["completion"], alone.extras["completion"])
-    torch.testing.assert_close(batch[4].logprobs, alone.logprobs, atol=1e-5, rtol=0)
-    assert len({tuple(s.extras["completion"].tolist()) for s in batch}) > 1  # seeds differ per request
-
-
-def test_checkpoint_generation_defaults_do_not_leak_into_sampling(shared_model):
-    """A checkpoint's generation_config (here a repetition penalty) must not change the sampled distribution."""
-    model = shared_model
-    saved = model.module.generation_config.repetition_penalty
-    model.module.generation_config.repetition_penalty = 3.0
-    samples = list(TransformersRolloutEngine(model, TransformersRolloutOptions(max_new_tokens=6), "cpu")
-                   .generate(_requests(PROMPTS)))
-    rescored = model.token_logprobs([s.extras["prompt"] for s in samples], [s.extras["completion"] for s in samples],
-                                    [s.extras["sampling"] for s in samples])
-    assert max(float((a.detach() - s.logprobs).abs().max()) for a, s in zip(rescored, samples)) < 1e-5
-    assert model.module.generation_config.repetition_penalty == 3.0  # restored
-    model.module.generation_config.repetition_penalty = saved
 
 
 def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_path: Path):
@@ -201,8 +171,7 @@ def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_pat
     with torch.no_grad():
         for p in model.trainable_parameters():
             p.add_(0.05 * torch.randn_like(p))
-    samples = list(TransformersRolloutEngine(model, TransformersRolloutOptions(max_new_tokens=4), "cpu")
-                   .generate(_requests(PROMPTS[:1])))
+    samples = ar_rollout(model, _requests(PROMPTS[:1]), _params(model, max_new_tokens=4))
     files = model.save_trained(tmp_path)
     assert files == ["adapter_model.safetensors", "adapter_config.json"]
     assert PeftConfig.from_pretrained(str(tmp_path)).r == 4
