@@ -2,13 +2,17 @@
 platform), against the diffusers engine and the trainer.
 
 Marked ``engines``: they need the engine's environment (``omnirl env build vllm-omni``) and skip without it.
-Every test shares one vllm-omni start (the engine keeps one server per process; starting takes a minute or
-more here), run by ``.ci/engines``.
+The tests share one vllm-omni start (the engine keeps one server per process; starting takes a minute or
+more here) but the last, a real ``omnirl train`` process with its own; run by ``.ci/engines``.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +173,17 @@ def test_samples_are_complete(model):
     assert sample.output.shape == (3, 32, 32) and 0.0 <= float(sample.output.min()) <= float(sample.output.max()) <= 1
     assert math.isnan(float(sample.logprobs[2])) and not math.isnan(float(sample.logprobs[0]))
     assert sample.extras["cond"].tensors["prompt_embeds"].dtype == torch.float32
+
+
+def test_a_training_run_through_the_cli(tmp_path):
+    """`omnirl train ... --set rollout.engine=vllm-omni` end to end (its own engine start, in the CLI's process):
+    every step's rollout log-probs agree with the trainer's, so each LoRA update reached the engine."""
+    run = tmp_path / "run"
+    proc = subprocess.run([str(Path(sys.executable).with_name("omnirl")), "train", "--model", "qwen-image", "--algo",
+                           "flowgrpo", "--preset", "tiny", "--steps", "3", "--set", "rollout.engine=vllm-omni",
+                           "--output-dir", str(run)], capture_output=True, text=True, timeout=1800, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    worst = max(r["logprob/abs_delta_max"] for r in rows)
+    print(f"omnirl train with rollout.engine=vllm-omni: {len(rows)} steps, logprob/abs_delta_max <= {worst:.3g}")
+    assert len(rows) == 3 and worst <= 1e-5, worst
