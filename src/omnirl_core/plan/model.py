@@ -1,0 +1,80 @@
+"""What a model plugin tells the memory planner: the one contract addition of the planner.
+
+A model's spec names a function (``ModelSpec.sizing``, ``"module:attr"``) that takes the run's config and the
+model's validated options and returns a ``ModelSizing`` built from the full-size architecture on the ``meta``
+device. Everything else (dtypes, sharding, copies, the device budget) the planner derives from the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_core.plan.activations import DenoiserProbe
+
+
+@dataclass
+class DecoderProbe:
+    """The VAE decode of a rollout: ``build()`` the decoder module on meta; ``run(module, batch)`` decodes
+    ``batch`` latents of the configured shape (meta tensors)."""
+
+    build: Callable[[], Any]
+    run: Callable[[Any, int], Any]
+    key: tuple[Any, ...] = ()
+    """Everything the trace depends on; equal non-empty keys share it within a process."""
+
+
+@dataclass
+class ModelSizing:
+    """The full-size model at the configured variant, as the planner needs it.
+
+    ``components``: parameter count per component (each tensor a checkpoint holds once), e.g. transformer,
+    text_encoder, vae. ``trained``: the components training updates (a sharded engine shards them; a reference
+    copy or an EMA copies them). ``trainable``: the parameters training updates (the LoRA adapters' count, or
+    the trained components' whole count). ``lora``: adapters (True) or full fine-tuning. ``encoders``: frozen
+    components used only before and after the trained network (text encoders, VAE): the ones an offload moves
+    off the device. ``probe``: traces the trained network's activations; None falls back to a generic transformer
+    estimate from ``hidden``, ``layers`` and ``tokens`` (per sample). ``decoder``: traces the VAE decode (None: not
+    counted). ``largest_block``: parameters of the largest sharded block (what FSDP2 gathers at once)."""
+
+    components: dict[str, int]
+    trained: tuple[str, ...]
+    trainable: int
+    lora: bool
+    encoders: tuple[str, ...] = ()
+    probe: DenoiserProbe | None = None
+    decoder: DecoderProbe | None = None
+    largest_block: int = 0
+    hidden: int = 0
+    layers: int = 0
+    tokens: int = 0
+    per_sample_bytes: int = 0
+    """Activation bytes per sample outside the traced or estimated layers (e.g. an LM head's float32 logits)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def lora_settings(config: Any, default_targets: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """(rank or None for full fine-tuning, targets) from ``config.model.lora``."""
+    lora = config.model.lora
+    targets = tuple(lora.target_modules) if lora.target_modules else tuple(default_targets)
+    return (lora.rank if lora.enabled else None), targets
+
+
+def torch_dtype(config: Any) -> Any:
+    """The torch dtype of the run's weights (``model.dtype``, ``auto`` resolved as the planner does)."""
+    import torch
+
+    from omnirl_core.plan.planner import model_dtype
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[model_dtype(config)]
+
+
+def vae_decoder(build: Callable[[], Any], latent_shape: tuple[int, ...], dtype: Any, key: tuple[Any, ...] = ()
+                ) -> DecoderProbe:
+    """A ``DecoderProbe`` for a diffusers VAE: ``build()`` makes it (on meta, in ``dtype``); one decode of a
+    ``(batch, *latent_shape)`` latent."""
+    import torch
+
+    return DecoderProbe(build=build, run=lambda vae, batch: vae.decode(
+        torch.empty(batch, *latent_shape, device="meta", dtype=dtype), return_dict=False), key=key)

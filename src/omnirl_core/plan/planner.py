@@ -1,0 +1,349 @@
+"""The memory plan of a resolved run: per worker group, what one device holds, against the device's memory.
+
+Rows per device (bytes): every component's weights at the model dtype (the trained ones sharded over the FSDP2
+ranks; text encoders and VAE resident, or offloaded to host memory with ``model.offload: cpu``); the trainable
+parameters' fp32 master copy (LoRA adapters; full fine-tuning keeps them in the model dtype, as the engines do),
+their gradients and AdamW's two moments, all sharded; a frozen reference copy (full fine-tuning with a KL term
+evaluated in the actor: the engines do not shard it); an EMA shadow of the trained parameters; FSDP2's gathered
+blocks; the activations of one training micro-batch (traced on ``meta`` from the real architecture, with the
+configured gradient checkpointing and CFG), of one rollout model call (``max_num_seqs`` requests), and of one VAE
+decode. Rollout and training take turns on a shared device, so the larger of their activation peaks counts.
+
+Not counted: reward models (their own workers or the CPU), the CUDA context and allocator fragmentation (the
+``headroom`` fraction of the device stays free for them), host memory (``plan.memory``).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_core.errors import ConfigError, PluginError
+from omnirl_core.plan.model import ModelSizing
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HEADROOM = 0.10
+"""Fraction of a device's memory left free for the CUDA context, kernels' workspaces and fragmentation."""
+
+
+def parse_bytes(text: str | float) -> int:
+    """``80GiB``, ``80GB`` (10^9), ``141 GiB``, ``512MiB`` or a number of bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"Cannot read the memory size '{text}'.", hint="Write it like 80GiB, 141GB or 512MiB.")
+    number, prefix, binary = match.groups()
+    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
+def model_dtype(config: Any) -> str:
+    """The weights' dtype: ``model.dtype``, with ``auto`` bfloat16 on an accelerator and float32 on the CPU."""
+    dtype = config.model.dtype
+    if dtype == "auto":
+        return "float32" if config.run.device == "cpu" else "bfloat16"
+    return dtype
+
+
+@dataclass
+class GroupPlan:
+    """One worker group: ``devices`` devices, each holding ``rows`` (name -> bytes)."""
+
+    name: str
+    devices: int
+    rows: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+@dataclass
+class MemoryPlan:
+    groups: list[GroupPlan]
+    device_memory: int | None
+    dtype: str
+    notes: list[str] = field(default_factory=list)
+    fixes: list[tuple[str, int]] = field(default_factory=list)
+    """Single changes that would make a plan that does not fit fit: (``--set`` text, the new largest total)."""
+
+    @property
+    def budget(self) -> int | None:
+        return None if self.device_memory is None else int(self.device_memory * (1 - HEADROOM))
+
+    @property
+    def peak(self) -> int:
+        return max(g.total for g in self.groups)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.peak <= self.budget
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "device_memory": self.device_memory,
+            "budget": self.budget,
+            "fits": self.fits,
+            "groups": [{"name": g.name, "devices": g.devices, "rows": g.rows, "total": g.total, "notes": g.notes}
+                       for g in self.groups],
+            "notes": self.notes,
+            "fixes": [{"set": s, "largest_total": t} for s, t in self.fixes],
+        }
+
+    def table(self) -> str:
+        """A plain-text table: one column per worker group, GiB per device."""
+        names = list(dict.fromkeys(row for g in self.groups for row in g.rows))
+        head = ["per device (GiB)"] + [f"{g.name} x{g.devices}" for g in self.groups]
+        lines = [head]
+        for row in names:
+            if any(g.rows.get(row, 0) for g in self.groups):
+                lines.append([row] + [_gib(g.rows[row]) if row in g.rows else "-" for g in self.groups])
+        lines.append(["total"] + [_gib(g.total) for g in self.groups])
+        if self.device_memory is not None:
+            lines.append([f"budget ({self.device_memory / GIB:.0f} GiB less {HEADROOM:.0%} headroom)"]
+                         + [_gib(self.budget or 0)] * len(self.groups))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        out = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+               for line in lines]
+        out.insert(1, "  ".join("-" * w for w in widths))
+        verdict = ("fits" if self.fits else "DOES NOT FIT") if self.device_memory is not None else "no device size given"
+        out.append(f"{verdict}: largest {self.peak / GIB:.1f} GiB per device (weights {self.dtype})")
+        out += [f"note: {n}" for n in self.notes + [n for g in self.groups for n in g.notes]]
+        return "\n".join(out)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def rollout_batch_size(config: Any) -> int:
+    """Requests in one rollout model call: the engine's ``max_num_seqs`` (diffusers) or ``max_batch_size``
+    (transformers), 32 by default in both."""
+    options = config.rollout.options or {}
+    return int(options.get("max_num_seqs", options.get("max_batch_size", 32)))
+
+
+def load_sizing(resolved: Any) -> ModelSizing:
+    spec = resolved.model
+    ref = getattr(spec, "sizing", None)
+    if ref is None:
+        raise PluginError(
+            f"Model '{spec.name}' does not describe its full-size architecture (no sizing in its ModelSpec): "
+            "omnirl cannot plan its memory.",
+            hint=f"Update {spec.plugin or 'the plugin'}, or ask its authors to add ModelSpec.sizing "
+            "(see CONTRIBUTING, 'Memory plans').")
+    from omnirl_core.registry import load_object
+
+    return load_object(ref)(resolved.config, resolved.options.get("model.options"))
+
+
+def _activation_bytes(sizing: ModelSizing, config: Any, dtype_bytes: int, checkpointing: bool
+                      ) -> tuple[int, int]:
+    """(training micro-batch peak, rollout call peak) of the trained network."""
+    from omnirl_core.plan.activations import no_grad_peak, trace_activations, transformer_activation_bytes
+
+    micro = config.train.micro_batch_size
+    rollout_batch = rollout_batch_size(config)
+    lora_rank = config.model.lora.rank if sizing.lora else None
+    extra_train, extra_rollout = sizing.per_sample_bytes * micro, sizing.per_sample_bytes * rollout_batch
+    if sizing.probe is not None:
+        acts = trace_activations(sizing.probe, micro, lora_rank, checkpointing)
+        train = acts.with_cfg() if config.rollout.guidance_scale > 1.0 else acts.peak
+        return train + extra_train, no_grad_peak(sizing.probe, rollout_batch) + extra_rollout
+    train = transformer_activation_bytes(sizing.tokens, sizing.hidden, sizing.layers, micro, dtype_bytes,
+                                         checkpointing)
+    rollout = transformer_activation_bytes(sizing.tokens, sizing.hidden, 1, rollout_batch, dtype_bytes, False)
+    return train + extra_train, rollout + extra_rollout
+
+
+_DECODES: dict[tuple[Any, ...], int] = {}
+
+
+def _decode_bytes(sizing: ModelSizing, config: Any) -> int:
+    if sizing.decoder is None:
+        return 0
+    from omnirl_core.plan.activations import peak_live_bytes
+
+    decoder = sizing.decoder
+    one = _DECODES.get(decoder.key) if decoder.key else None
+    if one is None:
+        module = decoder.build()
+        one = peak_live_bytes(module, lambda: decoder.run(module, 1))
+        if decoder.key:
+            _DECODES[decoder.key] = one
+    return one * rollout_batch_size(config)  # a decode's intermediates grow with the batch: traced at batch 1
+
+
+def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSizing | None = None,
+                suggest: bool = True) -> MemoryPlan:
+    """The plan of ``resolved`` (a ``ResolvedRun``); ``device_memory``: bytes per device (None: no verdict)."""
+    cfg = resolved.config
+    sizing = sizing or load_sizing(resolved)
+    dtype = model_dtype(cfg)
+    wb = DTYPE_BYTES[dtype]
+    options = resolved.options.get("model.options")
+    checkpointing = bool(getattr(options, "gradient_checkpointing", False))
+    algo = resolved.options.get("algorithm.options")
+    run = cfg.run
+
+    split = run.executor == "ray" and run.placement == "split"
+    ranks = run.train_workers if split else 1
+    sharded = resolved.train_engine.name == "fsdp2" and ranks > 1
+    shard = ranks if sharded else 1
+    offload = getattr(cfg.model, "offload", "none") == "cpu"
+
+    # trainable state: LoRA adapters hold an fp32 master copy; full fine-tuning keeps the model dtype
+    tb = 4 if sizing.lora else wb
+    trainable = sizing.trainable
+    uses_reference = resolved.algorithm.needs_reference and float(getattr(algo, "beta", 0.0) or 0.0) > 0
+    ema = resolved.algorithm.needs_ema or bool(getattr(algo, "ema", False))
+    trained_numel = sum(sizing.components[c] for c in sizing.trained)
+
+    def weights(rows: dict[str, int], shard_trained: int) -> None:
+        for name, numel in sizing.components.items():
+            if name in sizing.trained:
+                rows[f"weights/{name}"] = numel * wb // shard_trained
+            elif name in sizing.encoders and offload:
+                continue
+            else:
+                rows[f"weights/{name}"] = numel * wb
+
+    train_act, rollout_act = _activation_bytes(sizing, cfg, wb, checkpointing)
+    decode = _decode_bytes(sizing, cfg)
+    seqs = rollout_batch_size(cfg)
+    phases = (f"activations by phase (they take turns): train micro-batch of {cfg.train.micro_batch_size} "
+              f"{train_act / GIB:.2f} GiB (gradient checkpointing {'on' if checkpointing else 'off'}, CFG "
+              f"{'on' if cfg.rollout.guidance_scale > 1 else 'off'}), rollout call of {seqs} {rollout_act / GIB:.2f} GiB, "
+              f"VAE decode of {seqs} {decode / GIB:.2f} GiB")
+
+    actor: dict[str, int] = {}
+    weights(actor, shard)
+    if sizing.lora:
+        actor["adapters (fp32 master)"] = trainable * tb // shard
+    actor["gradients"] = trainable * tb // shard
+    actor["optimizer (AdamW)"] = 2 * trainable * tb // shard
+    if uses_reference and not sizing.lora and run.reference == "actor":
+        actor["reference copy"] = trained_numel * wb
+    if ema:
+        actor["EMA copy"] = trainable * tb // shard
+    if sharded and sizing.largest_block:
+        actor["fsdp2 gathered blocks"] = 2 * sizing.largest_block * wb
+    groups = []
+    notes = list(sizing.notes)
+    if split:
+        rollout: dict[str, int] = {}
+        weights(rollout, 1)
+        if sizing.lora:
+            rollout["adapters (fp32 master)"] = trainable * tb
+        actor["activations (train)"] = train_act
+        rollout["activations (largest phase)"] = max(rollout_act, decode)
+        groups += [GroupPlan("actor", ranks, actor), GroupPlan("rollout", 1, rollout, [phases])]
+    else:
+        # one worker rolls out and trains in turn: the larger activation peak counts
+        actor["activations (largest phase)"] = max(train_act, rollout_act, decode)
+        groups.append(GroupPlan("actor+rollout", 1, actor, [phases]))
+    if uses_reference and run.reference == "separate":
+        reference = {f"weights/{c}": sizing.components[c] * wb for c in sizing.trained}
+        reference["activations/reference"] = rollout_act
+        groups.append(GroupPlan("reference", 1, reference))
+    if split and not sharded and ranks > 1:
+        notes.append(f"train engine '{resolved.train_engine.name}' does not shard: every one of the {ranks} "
+                     "ranks holds everything")
+    plan = MemoryPlan(groups, device_memory, dtype, notes)
+    if suggest and device_memory is not None and not plan.fits:
+        plan.fixes = _fixes(resolved, sizing, device_memory)
+    return plan
+
+
+def _candidates(resolved: Any, sizing: ModelSizing) -> list[tuple[str, dict[str, Any]]]:
+    """Single changes that lower memory, as (``--set`` text, patch of the config dump)."""
+    cfg = resolved.config
+    dump = resolved.dump()
+    out: list[tuple[str, dict[str, Any]]] = []
+    if model_dtype(cfg) == "float32":
+        out.append(("model.dtype=bfloat16", {"model": {"dtype": "bfloat16"}}))
+    options = dump["model"]["options"] or {}
+    if "gradient_checkpointing" in options and not options["gradient_checkpointing"]:
+        out.append(("model.options.gradient_checkpointing=true", {"model": {"options": {"gradient_checkpointing": True}}}))
+    if getattr(cfg.model, "offload", "none") != "cpu" and sizing.encoders:
+        out.append(("model.offload=cpu", {"model": {"offload": "cpu"}}))
+    micro = cfg.train.micro_batch_size
+    while micro > 1:
+        micro //= 2
+        out.append((f"train.micro_batch_size={micro}", {"train": {"micro_batch_size": micro}}))
+    seqs = rollout_batch_size(cfg)
+    key = "max_num_seqs" if resolved.rollout_engine.name == "diffusers" else "max_batch_size"
+    while seqs > 1:
+        seqs = max(1, seqs // 4)
+        out.append((f"rollout.options.{key}={seqs}", {"rollout": {"options": {key: seqs}}}))
+    if not sizing.lora:
+        out.append(("model.lora.enabled=true", {"model": {"lora": {"enabled": True}}}))
+    return out
+
+
+def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int) -> list[tuple[str, int]]:
+    """Each candidate alone, then all of them together (one at a time in order until it fits)."""
+    from omnirl_core.config import deep_merge
+
+    def replan(patch: dict[str, Any]) -> MemoryPlan | None:
+        changed = copy.copy(resolved)
+        try:
+            from omnirl_core.config import RunConfig
+
+            dump = deep_merge(resolved.config.model_dump(mode="json"), patch)
+            changed.config = RunConfig.model_validate(dump)
+            changed.options = dict(resolved.options)
+            model_options = resolved.options.get("model.options")
+            if model_options is not None and "options" in patch.get("model", {}):
+                changed.options["model.options"] = model_options.model_copy(update=patch["model"]["options"])
+            resized = sizing
+            if {"lora", "dtype"} & set(patch.get("model", {})) and getattr(resolved.model, "sizing", None):
+                resized = load_sizing(changed)  # another trainable set or dtype: the model describes it anew
+            return plan_memory(changed, device_memory, resized, suggest=False)
+        except Exception:  # noqa: BLE001 - a candidate that does not validate is simply not offered
+            return None
+
+    fixes: list[tuple[str, int]] = []
+    chosen: dict[str, tuple[str, dict[str, Any]]] = {}  # by setting: the latest value wins
+    for text, patch in _candidates(resolved, sizing):
+        alone = replan(patch)
+        if alone is not None and alone.fits:
+            fixes.append((text, alone.peak))
+            continue
+        if alone is None:
+            continue
+        chosen[text.split("=")[0]] = (text, patch)
+        combined: dict[str, Any] = {}
+        for _, p in chosen.values():
+            combined = deep_merge(combined, p)
+        together = replan(combined)
+        if not fixes and together is not None and together.fits:
+            fixes.append((" ".join(f"--set {t}" for t, _ in chosen.values()), together.peak))
+            break
+    return fixes[:6]
+
+
+def check_fits(plan: MemoryPlan, where: str) -> None:
+    """Refuse a plan that does not fit, with the numbers and the changes that would make it fit."""
+    if plan.fits:
+        return
+    largest = max(plan.groups, key=lambda g: g.total)
+    top = sorted(largest.rows.items(), key=lambda kv: -kv[1])[:4]
+    details = [f"  {largest.name}: {largest.total / GIB:.1f} GiB per device > budget {(plan.budget or 0) / GIB:.1f} "
+               f"GiB ({(plan.device_memory or 0) / GIB:.0f} GiB less {HEADROOM:.0%} headroom); largest rows: "
+               + ", ".join(f"{k} {v / GIB:.1f}" for k, v in top)]
+    if plan.fixes:
+        details += [f"  fits with --set {text}: {peak / GIB:.1f} GiB" if not text.startswith("--set")
+                    else f"  fits with {text}: {peak / GIB:.1f} GiB" for text, peak in plan.fixes]
+    raise ConfigError(
+        f"{where} does not fit in {(plan.device_memory or 0) / GIB:.0f} GiB per device.",
+        details=details,
+        hint="Apply one of the changes above (see `omnirl plan` for the whole table), use more or larger devices "
+        "(run.train_workers with the fsdp2 engine), or give the real size with --device-memory.",
+    )
