@@ -29,6 +29,12 @@ def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("bagel-tiny"), seed=3)
 
 
+@pytest.fixture(scope="module")
+def shared(tiny_dir: Path):
+    """One loaded model (LoRA r4, adapters still zero: the base numbers) for the tests that only read it."""
+    return _model(tiny_dir)
+
+
 def _model(path: Path, lora: bool = True, **options):
     model = create_model(ModelSection(name="bagel", preset="tiny", path=str(path)), BagelOptions(**options), "cpu")
     model.setup_training(LoraConfig(enabled=lora, rank=4, alpha=4), need_reference=True)
@@ -51,7 +57,7 @@ def _probe(model, guidance: float = 1.0):
 
 
 # -- the released layout ---------------------------------------------------------------------------------------
-def test_tiny_preset_is_saved_in_the_released_layout_and_loads_back(tiny_dir: Path):
+def test_tiny_preset_is_saved_in_the_released_layout_and_loads_back(tiny_dir: Path, shared):
     from safetensors import safe_open
 
     for name in ("config.json", "llm_config.json", "vit_config.json", "ema.safetensors", "ae.safetensors",
@@ -79,7 +85,7 @@ def test_tiny_preset_is_saved_in_the_released_layout_and_loads_back(tiny_dir: Pa
     with safe_open(str(tiny_dir / "ema.safetensors"), "pt") as f:
         for key, value in model.denoiser.state_dict().items():
             assert torch.equal(value, f.get_tensor(key)), key
-    torch.testing.assert_close(_probe(_model(tiny_dir)), _probe(model), rtol=0, atol=0)
+    torch.testing.assert_close(_probe(shared), _probe(model), rtol=0, atol=0)
 
 
 def test_a_stale_max_latent_size_is_taken_from_the_position_table(tiny_dir: Path, tmp_path: Path):
@@ -95,7 +101,7 @@ def test_a_stale_max_latent_size_is_taken_from_the_position_table(tiny_dir: Path
         model.latent_shape(144, 64)
 
 
-def test_sharded_weights_and_a_saved_copy_load_the_same(tiny_dir: Path, tmp_path: Path):
+def test_sharded_weights_and_a_saved_copy_load_the_same(tiny_dir: Path, tmp_path: Path, shared):
     from safetensors.torch import load_file, save_file
 
     shards = tmp_path / "sharded"
@@ -109,7 +115,7 @@ def test_sharded_weights_and_a_saved_copy_load_the_same(tiny_dir: Path, tmp_path
         save_file({k: state[k] for k in part}, str(shards / name))
         weight_map.update(dict.fromkeys(part, name))
     (shards / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    torch.testing.assert_close(_probe(_model(shards)), _probe(_model(tiny_dir)), rtol=0, atol=0)
+    torch.testing.assert_close(_probe(_model(shards)), _probe(shared), rtol=0, atol=0)
 
 
 def test_bad_directories_are_clear_errors(tiny_dir: Path, tmp_path: Path):
@@ -138,14 +144,14 @@ def test_bad_directories_are_clear_errors(tiny_dir: Path, tmp_path: Path):
 
 
 # -- the contract and BAGEL's own rules ----------------------------------------------------------------------------
-def test_flow_model_contract(tiny_dir: Path):
+def test_flow_model_contract(shared):
     from omnirl_core.testing import check_flow_model
 
-    check_flow_model(_model(tiny_dir), height=SIZE, width=SIZE)
+    check_flow_model(shared, height=SIZE, width=SIZE)
 
 
-def test_schedule_is_bagels_shifted_linspace(tiny_dir: Path):
-    model = _model(tiny_dir)
+def test_schedule_is_bagels_shifted_linspace(shared):
+    model = shared
     u = torch.linspace(1, 0, 6, dtype=torch.float64)
     expected = (3 * u / (1 + 2 * u)).float()
     assert torch.equal(model.sigmas(5, (16, 8, 8)), expected)
@@ -164,8 +170,8 @@ def test_latent_tokens_are_2x2_patches_in_p_q_c_order():
     assert torch.equal(unpatchify(tokens, 2, 3), x)
 
 
-def test_cfg_is_bagels_text_cfg_with_renorm(tiny_dir: Path):
-    model = _model(tiny_dir)
+def test_cfg_is_bagels_text_cfg_with_renorm(shared, monkeypatch):
+    model = shared
     g = torch.Generator().manual_seed(0)
     v_c, v_u = torch.randn(3, 5, 64, generator=g), torch.randn(3, 5, 64, generator=g)
     sigma = torch.tensor([1.0, 0.5, 0.2])
@@ -175,6 +181,7 @@ def test_cfg_is_bagels_text_cfg_with_renorm(tiny_dir: Path):
     torch.testing.assert_close(out, raw * factor[:, None, None])
     assert (out.norm(dim=(1, 2)) <= v_c.norm(dim=(1, 2)) + 1e-5).all()  # never scaled up
     torch.testing.assert_close(model.guide(v_c, v_u, 1.0, sigma), v_c)
+    monkeypatch.setattr(model, "options", model.options.model_copy())  # the shared model's options stay as they are
     model.options.cfg_interval = (0.4, 1.0)
     model.options.cfg_renorm = "none"
     out = model.guide(v_c, v_u, 4.0, sigma)
@@ -186,28 +193,28 @@ def test_cfg_is_bagels_text_cfg_with_renorm(tiny_dir: Path):
     torch.testing.assert_close(out[:2], (raw * per_token[..., None])[:2])
 
 
-def test_blank_prompt_is_the_text_dropped_context(tiny_dir: Path):
-    model = _model(tiny_dir)
+def test_blank_prompt_is_the_text_dropped_context(shared):
+    model = shared
     blank = model.encode([" "]).tensors
     assert blank["text_mask"].shape == (1, 1) and blank["text_mask"].sum() == 0  # one padding slot, no token
     ids = model.encode(["a red square"]).tensors["input_ids"][0].tolist()
     assert ids[0] == 151644 and ids[-1] == 151645 and len(ids) == 2 + len(model.tokenizer.encode("a red square"))
 
 
-def test_prompt_kv_cache_gives_the_single_pass_numbers(tiny_dir: Path):
-    cached = _model(tiny_dir)
+def test_prompt_kv_cache_gives_the_single_pass_numbers(tiny_dir: Path, shared):
+    cached = shared
     assert "prompt_kv" in cached.encode(["a"]).tensors
     plain = _model(tiny_dir, prompt_kv_cache=False)
     assert "prompt_kv" not in plain.encode(["a"]).tensors
     torch.testing.assert_close(_probe(cached, 4.0), _probe(plain, 4.0), rtol=0, atol=1e-5)
 
 
-def test_training_the_understanding_expert_turns_the_prompt_cache_off(tiny_dir: Path):
+def test_training_the_understanding_expert_turns_the_prompt_cache_off(tiny_dir: Path, shared):
     model = _model(tiny_dir, train_expert="und")
     names = [n for n, p in model.denoiser.named_parameters() if p.requires_grad]
     assert names and not any("_moe_gen" in n for n in names) and model.text_trainable
     assert "prompt_kv" not in model.encode(["a"]).tensors
-    gen = _model(tiny_dir)
+    gen = shared
     assert all("_moe_gen" in n for n, p in gen.denoiser.named_parameters() if p.requires_grad)
     assert not gen.text_trainable
 
@@ -275,7 +282,7 @@ def test_trainer_reevaluation_equals_rollout_logprob(tiny_dir: Path, guidance: f
 
 
 # -- trained weights -----------------------------------------------------------------------------------------------
-def test_lora_checkpoint_is_peft_layout_and_round_trips(tiny_dir: Path, tmp_path: Path):
+def test_lora_checkpoint_is_peft_layout_and_round_trips(tiny_dir: Path, tmp_path: Path, shared):
     from omnirl_plugin_bagel.checkpoint import load_transformer
     from peft import PeftModel
 
@@ -296,7 +303,7 @@ def test_lora_checkpoint_is_peft_layout_and_round_trips(tiny_dir: Path, tmp_path
     again.load_trained(tmp_path / "ckpt")
     torch.testing.assert_close(_probe(again, 4.0), trained, rtol=0, atol=0)
     with again.reference():
-        torch.testing.assert_close(_probe(again, 4.0), _probe(_model(tiny_dir, lora=False), 4.0), rtol=0, atol=1e-6)
+        torch.testing.assert_close(_probe(again, 4.0), _probe(shared, 4.0), rtol=0, atol=1e-6)
 
 
 def test_full_finetune_saves_the_released_layout(tiny_dir: Path, tmp_path: Path):
@@ -321,8 +328,8 @@ def test_full_finetune_saves_the_released_layout(tiny_dir: Path, tmp_path: Path)
     torch.testing.assert_close(_probe(resumed), trained, rtol=0, atol=0)
 
 
-def test_encode_images_inverts_decode_shape_and_is_deterministic(tiny_dir: Path):
-    model = _model(tiny_dir)
+def test_encode_images_inverts_decode_shape_and_is_deterministic(shared):
+    model = shared
     images = torch.rand(2, 3, SIZE, SIZE)
     z = model.encode_images(images)
     assert z.shape == (2, *model.latent_shape(SIZE, SIZE)) and z.dtype == torch.float32

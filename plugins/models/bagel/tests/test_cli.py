@@ -1,7 +1,9 @@
 """The real ``omnirl train`` CLI on BAGEL's tiny preset.
 
-CI runs FlowGRPO for two steps. The runs of every flow algorithm and the 40-step FlowGRPO reward rise take minutes
-on two CPU cores: they are not for CI and run with ``OMNIRL_BAGEL_LONG=1`` (figures in the README)."""
+CI runs FlowGRPO for two steps. The runs of every flow algorithm and the 40-step FlowGRPO reward rise (the preset's
+colour reward on the central half, one prompt: +9.1 standard errors, first 10 vs last 10 steps) take minutes on two
+CPU cores (the rise: about 110 s of CPU, 5-7 minutes wall under the shared load): they are not for CI and run with
+``OMNIRL_BAGEL_LONG=1`` (figures in the README). Runs are seeded: the outcome does not depend on the load."""
 
 from __future__ import annotations
 
