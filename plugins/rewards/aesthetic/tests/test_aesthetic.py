@@ -150,3 +150,12 @@ def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Pa
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "aesthetic", 60, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu")
+
+
+@pytest.mark.slow
+def test_tiny_multi_reward_run_raises_the_summed_reward(tmp_path: Path):
+    """Two learned rewards, the second with its own advantage (rewards.1.advantage=own)."""
+    check_reward_rises(tmp_path / "run", "aesthetic", 50, "--set", "rewards.0.options.preset=tiny",
+                       "--set", "rewards.0.options.device=cpu", "--reward", "clipscore:0.5",
+                       "--set", "rewards.1.options.preset=tiny", "--set", "rewards.1.options.device=cpu",
+                       "--set", "rewards.1.advantage=own")
