@@ -229,17 +229,28 @@ def shifted_sigmas(scheduler: Any, num_steps: int, seq_len: int, linspace: bool 
     return torch.as_tensor(np.asarray(scheduler.sigmas), dtype=torch.float32).clone()
 
 
-def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float, renorm: bool = False) -> torch.Tensor:
+def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float, renorm: bool = False,
+                    forward_pair: Any = None) -> torch.Tensor:
     """True classifier-free guidance over ``forward(conditioning) -> v``: v_u + w (v_c - v_u) for w > 1, the
     unconditional branch without grad (it is detached in training). ``renorm`` rescales the guided prediction to
-    the conditional one's norm over the last dim (per token; Qwen-Image's true CFG)."""
-    v = forward(cond)
+    the conditional one's norm over the last dim (per token; Qwen-Image's true CFG).
+
+    ``forward_pair(conditioning) -> v`` (optional): the same forward over the latents and sigmas repeated twice,
+    given the conditional and unconditional conditionings concatenated. Without grad (the rollout, old and
+    reference log-probs) both branches then go through one batched call instead of two; with grad the
+    unconditional branch stays a separate no-grad call, so the backward pass never runs through it."""
     if guidance_scale <= 1.0:
-        return v
+        return forward(cond)
     if uncond is None:
         raise ValueError("CFG needs the unconditional conditioning")
-    with torch.no_grad():
-        v_u = forward(uncond)
+    if forward_pair is not None and not torch.is_grad_enabled():
+        from omnirl_core.interfaces import Conditioning
+
+        v, v_u = forward_pair(Conditioning.cat([cond, uncond])).chunk(2)
+    else:
+        v = forward(cond)
+        with torch.no_grad():
+            v_u = forward(uncond)
     combined = v_u + guidance_scale * (v - v_u)
     if renorm:
         combined = combined * (v.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
@@ -345,7 +356,8 @@ class DiffusersFlowModel(DenoiserModel):
                              hint="Set rollout.guidance_scale=1.")
         else:
             v = guided_velocity(lambda c: self.forward(x, sigma, c, (h, w), None), cond, uncond, guidance_scale,
-                                self.cfg_renorm)
+                                self.cfg_renorm, lambda c: self.forward(x.repeat(2, *[1] * (x.dim() - 1)),
+                                                                        sigma.repeat(2), c, (h, w), None))
         return unpack_2x2(v, h, w) if self.packed else v
 
     def _channel_stats(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -78,7 +78,8 @@ class ToyFlowModel(DenoiserModel):
                  uncond: Conditioning | None = None) -> torch.Tensor:
         h, w = latents.shape[-2:]
         x, sigma = pack_2x2(latents.to(self.device, self.dtype)), sigma.to(self.device)
-        v = guided_velocity(lambda c: self._forward(x, sigma, c, h, w), cond, uncond, guidance_scale)
+        v = guided_velocity(lambda c: self._forward(x, sigma, c, h, w), cond, uncond, guidance_scale,
+                            forward_pair=lambda c: self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), c, h, w))
         return unpack_2x2(v, h, w)
 
     @torch.no_grad()

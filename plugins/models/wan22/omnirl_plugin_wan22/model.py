@@ -267,7 +267,10 @@ class Wan22Model(DenoiserModel):
         scale = guidance_scale
         if guidance_scale > 1.0 and name == LOW and self.options.guidance_scale_2 is not None:
             scale = self.options.guidance_scale_2
-        return guided_velocity(lambda c: self._forward(self.experts[name], x, sigma, c), cond, uncond, scale)
+        expert = self.experts[name]
+        return guided_velocity(lambda c: self._forward(expert, x, sigma, c), cond, uncond, scale,
+                               forward_pair=lambda c: self._forward(expert, torch.cat([x, x]), torch.cat([sigma, sigma]),
+                                                                    c))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
