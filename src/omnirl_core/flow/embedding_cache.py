@@ -33,7 +33,7 @@ def trim_padding(cond: Conditioning) -> Conditioning:
     used = None
     for key in cond.pad_keys:
         t = cond.tensors[key][0]
-        row_used = t.reshape(t.shape[0], -1).ne(0).any(dim=1)
+        row_used = t.ne(0).flatten(1).any(dim=1) if t.dim() > 1 else t.ne(0)  # a zero-length row too
         used = row_used if used is None else used | row_used
     positions = used.nonzero()
     length = int(positions[-1]) + 1 if len(positions) else 1
