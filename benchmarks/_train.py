@@ -16,7 +16,8 @@ from omnirl_core.runtime.controller import Controller
 
 RESULTS = Path(__file__).with_name("results")
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
-           "omnirl_plugin_torch", "omnirl_plugin_color", "omnirl_plugin_jpeg", "omnirl_plugin_ocr", "omnirl_plugin_vlm_judge"]
+           "omnirl_plugin_torch", "omnirl_plugin_color", "omnirl_plugin_jpeg", "omnirl_plugin_ocr", "omnirl_plugin_vlm_judge",
+           "omnirl_plugin_remote"]
 
 
 def controller(out: Path, overrides: dict[str, Any]) -> Controller:

@@ -7,6 +7,9 @@
     in another process, with a set latency per image (it scores mean brightness, deterministically). It
     STANDS FOR A VLM JUDGE ON OTHER HARDWARE: its cost to the trainer is latency, not our CPU.
     The latency is set from a measured rollout so that the reward phase is about 0.8 x the rollout.
+(c) ``learned``: a learned reward (``--learned pickscore``, its tiny preset unless ``--learned-set`` gives
+    other options) on its own worker: ``omnirl reward serve`` in another process (1 torch thread), reached
+    through the ``remote`` reward. On this 2-core machine its compute shares the cores with the rollout.
 
 Per mode: step time; rollout R and reward W (sync: the scoring wall time after the rollout); the ideal
 bound of the rollout+reward phase, max(R, W), vs the sum R + W; and the fraction of the ideal saving
@@ -106,7 +109,12 @@ def main() -> None:
                         help="calls each reward worker serves at once (run.reward_concurrency)")
     parser.add_argument("--executor", choices=("inline", "ray"), default="inline",
                         help="ray: a local Ray instance, reward actors instead of threads")
-    parser.add_argument("--only", choices=("vlm_judge", "ocr"), default=None, help="run one scenario")
+    parser.add_argument("--only", choices=("vlm_judge", "ocr", "learned"), default=None, help="run one scenario")
+    parser.add_argument("--learned", default="pickscore", help="the learned reward served for scenario (c)")
+    parser.add_argument("--learned-set", action="append", default=None,
+                        help="its options (repeatable; default: preset=tiny, device=cpu)")
+    parser.add_argument("--learned-workers", type=int, default=2, help="reward threads (concurrent requests) "
+                        "for the served reward")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
@@ -120,14 +128,16 @@ def main() -> None:
               "num_steps": args.num_steps}
 
     workers = args.workers
-    if args.only != "ocr":
+    if args.only in (None, "vlm_judge"):
         run_judge(args, tmp, workers, result)
-    if args.only != "vlm_judge":
+    if args.only in (None, "ocr"):
         run_ocr(args, tmp, args.ocr_workers, result)
+    if args.only in (None, "learned"):
+        run_learned(args, tmp, result)
     if args.executor == "ray":
         ray.shutdown()
     path = write("async_reward" if args.executor == "inline" else "async_reward_ray", result)
-    for name in ("vlm_judge", "ocr"):
+    for name in ("vlm_judge", "ocr", "learned"):
         part = result.get(name)
         if part is None:
             continue
@@ -172,6 +182,36 @@ def run_ocr(args, tmp: Path, workers: int, result: dict) -> None:
                 "the overlap can only use what the rollout leaves idle.",
         "reward_workers": workers, **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
     }
+
+
+def run_learned(args, tmp: Path, result: dict) -> None:
+    import os
+
+    from omnirl_core.runtime.distributed import free_port
+
+    options = args.learned_set or ["preset=tiny", "device=cpu"]
+    port = free_port()
+    exe = Path(sys.executable).with_name("omnirl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch in the server: one intra-op thread
+    server = subprocess.Popen([str(exe), "reward", "serve", args.learned, "--port", str(port),
+                               *[x for o in options for x in ("--set", o)]], stderr=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        while "serving reward" not in (line := server.stderr.readline()):
+            if not line and server.poll() is not None:
+                raise RuntimeError(f"the reward server for {args.learned} did not start")
+        t0 = time.perf_counter()
+        reward = {"name": "remote", "options": {"url": f"http://127.0.0.1:{port}", "expect": args.learned}}
+        ctl = controller(tmp / "learned", workload(args, [reward], args.learned_workers))
+        result["learned"] = {
+            "note": f"{args.learned} ({', '.join(options)}) served by `omnirl reward serve` in another process "
+                    "(1 torch thread), reached through the remote reward: a learned reward on its own worker.",
+            "reward": args.learned, "options": options, "reward_workers": args.learned_workers,
+            **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
+        }
+    finally:
+        server.terminate()
+        server.wait()
 
 
 if __name__ == "__main__":
