@@ -153,6 +153,7 @@ def test_tiny_training_run_raises_the_reward(tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_tiny_multi_reward_run_raises_the_summed_reward(tmp_path: Path):
     """Two learned rewards, the second with its own advantage (rewards.1.advantage=own)."""
     check_reward_rises(tmp_path / "run", "aesthetic", 50, "--set", "rewards.0.options.preset=tiny",

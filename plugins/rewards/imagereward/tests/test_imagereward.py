@@ -72,6 +72,7 @@ def test_conversion_refuses_other_checkpoints_and_loading_errors(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "imagereward", 50, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu")
