@@ -147,6 +147,9 @@ class FlowModel(Protocol):
     Optional attribute ``text_encoder_version: int``: a model whose text encoder can change (trained or
     reloaded) increments it on every change, so that cached prompt embeddings are dropped
     (``omnirl_core.flow.embedding_cache``). Without it the text encoder is taken to be frozen.
+
+    Optional attribute ``guidance``: "cfg" (true classifier-free guidance, the default), "embedded" (the scale
+    is an input of the network; ``uncond`` is ignored) or "none".
     """
 
     capabilities: frozenset[str]
