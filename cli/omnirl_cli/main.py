@@ -333,6 +333,9 @@ def train(
         if launch.data_problem:
             _err(f"warning: {launch.data_problem}")
         typer.echo(yaml.safe_dump(launch.plan(), sort_keys=False))
+        from omnirl_cli.plan import dry_run_memory
+
+        dry_run_memory(resolved)  # the memory plan's table; exit 2 when it does not fit
         return
     resuming = launch.claim(manager)
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {launch.run_path} on {resolved.device.name}")
@@ -600,7 +603,7 @@ def run() -> None:
 
 
 # Commands that live in their own module (``omnirl_cli/<name>.py``, each with ``register(app)``).
-COMMAND_MODULES: tuple[str, ...] = ("reward", "env")
+COMMAND_MODULES: tuple[str, ...] = ("reward", "env", "plan")
 
 
 def _register_command_modules() -> None:

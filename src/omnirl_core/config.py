@@ -30,13 +30,30 @@ class LoraConfig(Section):
     target_modules: list[str] | None = Field(
         None, description="Module names to adapt; None takes the model plugin's default targets."
     )
+    init: Literal["default", "gaussian"] = Field(
+        "default", description="Adapter initialisation (B is zero either way, so training starts at the base "
+        "model): default, peft's Kaiming-uniform A; gaussian, A ~ N(0, 1/rank) (flow_grpo's choice)."
+    )
+
+    @property
+    def peft_init(self) -> bool | str:
+        """The value of peft's ``init_lora_weights``."""
+        return True if self.init == "default" else self.init
 
 
 class ModelSection(Section):
     name: str = Field("", description="Model component name, e.g. 'qwen-image' (or 'plugin:name').")
     preset: str | None = Field(None, description="Build a preset (e.g. 'tiny': random weights, built locally).")
     path: str | None = Field(None, description="Local directory or hub id; None takes the model's default.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Model weights dtype; auto: bfloat16 on an accelerator, float32 on the CPU. Sampler "
+        "math and log-probs stay float32, and LoRA adapters keep a float32 master copy, whatever the weights."
+    )
+    offload: Literal["none", "cpu"] = Field(
+        "none", description="Frozen components used only before and after the trained network (text encoders, "
+        "VAE): 'none' keeps them on the device, 'cpu' keeps them in host memory and moves each to the device only "
+        "while it runs (encoding a prompt, decoding a sample)."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the model plugin.")
 

@@ -138,7 +138,7 @@ class CausalLMPolicy:
 
             self._peft_config = PeftLoraConfig(
                 r=lora.rank, lora_alpha=lora.alpha, target_modules=self.lora_target_names(lora.target_modules),
-                init_lora_weights=True,
+                init_lora_weights=lora.peft_init,
             )
             inject_adapter_in_model(self._peft_config, self.module, adapter_name="default")
             self.lora = lora

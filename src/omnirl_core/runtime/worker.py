@@ -17,6 +17,7 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.errors import PluginError, UsageError
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
+from omnirl_core.runtime.precision import offload_frozen, upcast_adapters
 from omnirl_core.runtime.weight_sync import export_trained_state, import_trained_state
 
 ROLES = frozenset({"actor", "rollout", "reference"})
@@ -90,6 +91,8 @@ class Worker:
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
+        if cfg.model.offload == "cpu" and hasattr(self.model, "frozen_modules"):
+            offload_frozen(self.model.frozen_modules(), device)
         self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
         show_repeats_once()  # the libraries' loggers exist now; a warning per prompt would flood stderr
         # again after loading: adapters are initialised from torch's global random state, which loading
@@ -101,6 +104,8 @@ class Worker:
             # with a separate reference worker the actor keeps no frozen copy (full fine-tuning)
             need_ref = reference_placement(r, self.algorithm) == "actor"
             self.model.setup_training(cfg.model.lora, need_reference=need_ref)
+            if cfg.model.lora.enabled:  # the adapters' float32 master copy
+                upcast_adapters(self.model.trainable_parameters())
             self.trainer = r.train_engine.load_factory()(self.model, cfg.train, r.options.get("train.options"),
                                                          device)
         else:
@@ -108,6 +113,8 @@ class Worker:
             # reference worker never trains: with LoRA it evaluates with the adapters disabled (the actor's
             # own reference path), in full fine-tuning the loaded weights are the reference
             self.model.setup_training(cfg.model.lora, need_reference=False)
+            if cfg.model.lora.enabled:  # the adapters' float32 master copy
+                upcast_adapters(self.model.trainable_parameters())
         if "rollout" in self.roles:
             self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
 

@@ -228,7 +228,9 @@ def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tup
 
 def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device: Any) -> Qwen3OmniThinker:
     options = options or Qwen3OmniOptions()
-    dtype = _DTYPES[section.dtype]
+    from omnirl_core.runtime.precision import concrete_dtype
+
+    dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
     path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed), DEFAULT_HUB_ID)
     thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
     return Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)

@@ -19,6 +19,10 @@ DEFAULT_PROMPTS = [
 class JpegOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     quality: int = Field(95, ge=1, le=100, description="JPEG quality used to measure the size.")
+    scale: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="Reward = -(size in kB) x scale; 0.002 (= 1/500) is flow_grpo's and "
+        "ddpo-pytorch's jpeg_compressibility."
+    )
 
 
 def to_uint8(image: Any) -> np.ndarray:
@@ -36,5 +40,5 @@ class JpegCompressibility:
         for image in images:
             buffer = io.BytesIO()
             Image.fromarray(to_uint8(image)).save(buffer, format="JPEG", quality=self.options.quality)
-            scores.append(-buffer.tell() / 1000.0)
+            scores.append(-buffer.tell() / 1000.0 * self.options.scale)
         return scores

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from omnirl_plugin_jpeg.reward import JpegCompressibility, JpegOptions
 
@@ -20,3 +21,10 @@ def test_reward_contract():
     from omnirl_core.testing import check_reward
 
     check_reward(JpegCompressibility(), [torch.rand(3, 32, 32), torch.zeros(3, 32, 32)], ["a", "b"])
+
+
+def test_scale_multiplies_the_reward_as_flow_grpos_division_by_500():
+    image = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0))
+    [plain] = JpegCompressibility()([image], ["a cat"])
+    [scaled] = JpegCompressibility(JpegOptions(scale=1 / 500))([image], ["a cat"])
+    assert plain < 0 and scaled == pytest.approx(plain / 500, rel=1e-12)
