@@ -83,6 +83,9 @@ class ModelSpec(ComponentSpec):
     """Config values this model suggests (lowest layer, under the recipe and --set)."""
     preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra suggested values per preset, e.g. a small resolution for ``tiny``."""
+    sizing: Any = None
+    """``"module:attr"`` of ``(config, options) -> omnirl_core.plan.model.ModelSizing``: the full-size architecture
+    on ``meta`` for ``omnirl plan`` (None: the model cannot be planned)."""
     limits: Any = None
     """A ``ModelLimits``; a dict of them by preset (key None: released checkpoints); or ``"module:attr"`` of a
     cheap function ``(model_section, options) -> ModelLimits`` when they depend on the checkpoint or an option

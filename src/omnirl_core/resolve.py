@@ -175,6 +175,10 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     check_model_limits(config, model_spec, options["model.options"])
 
     device = resolve_device(manager, config.run.device) if probe_device else None
+    if device is not None and config.model.dtype == "auto":
+        from omnirl_core.runtime.precision import concrete_dtype
+
+        config.model.dtype = concrete_dtype("auto", device.torch_device)  # type: ignore[assignment]
     if device is not None and device.torch_device == "cpu":
         from omnirl_core.plan.memory import check_rollout_memory
 

@@ -43,7 +43,7 @@ class DenoiserModel:
 
             targets = lora.target_modules or list(self.default_lora_targets)
             self.denoiser.add_adapter(
-                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=True)
+                PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=lora.peft_init)
             )
             self.lora = lora
         else:

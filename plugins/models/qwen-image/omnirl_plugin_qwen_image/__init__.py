@@ -18,6 +18,7 @@ def omnirl_register_models(register):
             presets=("tiny",),
             limits={"tiny": ModelLimits(size_multiple=8), None: ModelLimits(size_multiple=16)},
             default_path="Qwen/Qwen-Image",
+            sizing="omnirl_plugin_qwen_image.sizing:sizing",
             recipe_defaults={
                 "rollout": {"height": 512, "width": 512, "num_steps": 10, "guidance_scale": 4.0},
                 "rewards": [{"name": "jpeg"}],

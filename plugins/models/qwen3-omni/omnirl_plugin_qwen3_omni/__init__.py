@@ -17,6 +17,7 @@ def omnirl_register_models(register):
             capabilities=frozenset({"ar-text", "text", "lora", "image-input", "audio-input"}),
             presets=("tiny",),
             default_path="Qwen/Qwen3-Omni-30B-A3B-Instruct",
+            sizing="omnirl_plugin_qwen3_omni.sizing:sizing",
             recipe_defaults={
                 "model": {"dtype": "bfloat16", "lora": {"rank": 32, "alpha": 64}},
                 "rollout": {"engine": "transformers", "prompts_per_step": 8, "group_size": 16,

@@ -19,6 +19,7 @@ def omnirl_register_models(register):
             presets=("tiny",),
             limits={"tiny": ModelLimits(size_multiple=8), None: ModelLimits(size_multiple=16)},
             default_path="stabilityai/stable-diffusion-3.5-medium",
+            sizing="omnirl_plugin_sd35.sizing:sizing",
             recipe_defaults={
                 "rollout": {"height": 512, "width": 512, "num_steps": 10, "guidance_scale": 4.5},
                 "rewards": [{"name": "jpeg"}],

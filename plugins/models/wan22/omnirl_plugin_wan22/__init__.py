@@ -19,6 +19,7 @@ def omnirl_register_models(register):
             presets=("tiny",),
             limits="omnirl_plugin_wan22:limits",
             default_path="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+            sizing="omnirl_plugin_wan22.sizing:sizing",
             recipe_defaults={
                 "rollout": {"height": 480, "width": 832, "num_frames": 33, "num_steps": 16,
                             "guidance_scale": 4.0},

@@ -133,7 +133,7 @@ class Wan22Model(DenoiserModel):
             targets = lora.target_modules or list(self.default_lora_targets)
             for name in self.trained:
                 self.experts[name].add_adapter(PeftLoraConfig(
-                    r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=True))
+                    r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=lora.peft_init))
             self.lora = lora
         else:
             for name in self.trained:
