@@ -23,8 +23,8 @@ def test_a_message_kind_passes_once_and_errors_always():
     logger.error("a failure")
     lines = stream.getvalue().splitlines()
     assert lines == [
-        "The following part of your input was truncated because CLIP can only handle sequences up to 77 tokens: "
-        "['a red apple']",
+        ("The following part of your input was truncated because CLIP can only handle sequences up to 77 tokens: "
+         "['a red apple']"),
         "Token indices sequence length is longer than the specified maximum (91 > 77)",
         "something else", "a failure", "a failure"]
 

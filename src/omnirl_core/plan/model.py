@@ -61,11 +61,17 @@ def lora_settings(config: Any, default_targets: tuple[str, ...]) -> tuple[int | 
     return (lora.rank if lora.enabled else None), targets
 
 
+def model_dtype(config: Any) -> str:
+    """The weights' dtype: ``model.dtype``, with ``auto`` bfloat16 on an accelerator and float32 on the CPU."""
+    dtype = config.model.dtype
+    if dtype == "auto":
+        return "float32" if config.run.device == "cpu" else "bfloat16"
+    return dtype
+
+
 def torch_dtype(config: Any) -> Any:
     """The torch dtype of the run's weights (``model.dtype``, ``auto`` resolved as the planner does)."""
     import torch
-
-    from omnirl_core.plan.planner import model_dtype
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[model_dtype(config)]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnirl_core.errors import ConfigError, PluginError
-from omnirl_core.plan.model import ModelSizing
+from omnirl_core.plan.model import ModelSizing, model_dtype
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -39,14 +39,6 @@ def parse_bytes(text: str | float) -> int:
     number, prefix, binary = match.groups()
     power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
     return int(float(number) * (1024 if binary else 1000) ** power)
-
-
-def model_dtype(config: Any) -> str:
-    """The weights' dtype: ``model.dtype``, with ``auto`` bfloat16 on an accelerator and float32 on the CPU."""
-    dtype = config.model.dtype
-    if dtype == "auto":
-        return "float32" if config.run.device == "cpu" else "bfloat16"
-    return dtype
 
 
 @dataclass

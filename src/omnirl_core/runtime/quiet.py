@@ -11,7 +11,7 @@ import re
 import warnings
 
 LIBRARY_LOGGERS = ("transformers", "diffusers", "peft")
-_VARIABLE = re.compile(r"\[.*\]|'[^']*'|\"[^\"]*\"|`[^`]*`|\d+(\.\d+)?", re.S)
+_VARIABLE = re.compile(r"\[.*\]|'[^']*'|\"[^\"]*\"|`[^`]*`|\d+(\.\d+)?", re.DOTALL)
 
 
 def kind(message: str) -> str:
