@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from omnirl_core.algorithm import Algorithm
 from omnirl_core.ar.policy_gradient import SequenceUnit, TokenPolicyGradient
 from omnirl_core.ar.sampling import SamplingParams, sampling_logprobs
 from omnirl_core.config import RunConfig
@@ -27,15 +28,13 @@ class _Linear:
         return [self.weight]
 
 
-class _Algorithm:
+class _Algorithm(Algorithm):
     """Loss = sum(w * x) with a chosen x; x holding NaN makes a NaN loss and NaN gradients."""
 
     def __init__(self, bad_minibatch: int | None):
+        super().__init__(None, RunConfig())
         self.bad_minibatch = bad_minibatch
         self.calls = 0
-
-    def prepare(self, model, units):
-        return {}
 
     def loss(self, model, units, first_update=False, correction=False):
         x = torch.full((3,), float("nan")) if self.calls == self.bad_minibatch else torch.ones(3)

@@ -20,6 +20,7 @@ from PIL import Image
 from omnirl_core.config import ModelSection, RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.interfaces import GenRequest
+from omnirl_core.runtime.training import MetricMean, prepare_all
 
 PROMPTS = ["a red square", "a blue square"]
 
@@ -104,7 +105,7 @@ def test_loss_on_the_model_is_log2_before_any_update_and_drops_after_one(model):
     algo.plan(1)
     units = algo.training_units(_samples(model, [[0.2, 0.9, 0.5, 0.1], [0.6, 0.3, 0.8, 0.4]]))
     with torch.no_grad():
-        algo.prepare(model, units)
+        prepare_all(algo, model, units, len(units), MetricMean())  # the runtime's no-grad pass
     loss, metrics = algo.loss(model, units)
     assert float(loss.detach()) == pytest.approx(math.log(2.0), abs=1e-6)  # LoRA starts at 0: policy = reference
     assert metrics["dpo/accuracy"] == 0.0 and metrics["dpo/implicit_margin"] == 0.0
@@ -181,7 +182,7 @@ def test_offline_pairs_are_encoded_in_prepare(model, tmp_path: Path):
     units = algo.training_units([])
     assert len(units) == 3 and units[0].chosen is None
     with torch.no_grad():
-        algo.prepare(model, units)
+        prepare_all(algo, model, units, len(units), MetricMean())  # the runtime's no-grad pass
     assert units[0].chosen.shape == tuple(model.latent_shape(32, 32)) == units[0].eps.shape
     assert units[0].ref_error.shape == (2,)
     loss, _ = algo.loss(model, units)

@@ -17,6 +17,7 @@ from omnirl_core.config import RunConfig
 from omnirl_core.flow.policy_gradient import transition_stats
 from omnirl_core.flow.sampler import step_mean
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
+from omnirl_core.runtime.training import MetricMean, prepare_all
 
 SIGMAS = torch.tensor([1.0, 0.82, 0.61, 0.37, 0.0])  # starts at 1: flow_grpo's sigma_max substitution is exercised
 ETA = 0.7
@@ -100,7 +101,7 @@ def _loss(convention: str, beta: float, sampler: str = "sde"):
     model = LinearFlow()
     units = algo.training_units(_with_rollout_logprobs(algo, model, _samples(algo)))
     with torch.no_grad():
-        algo.prepare(model, units)
+        prepare_all(algo, model, units, len(units), MetricMean())  # the runtime's no-grad pass
     loss, metrics = algo.loss(model, units)
     (grad,) = torch.autograd.grad(loss, [model.weight])
     return loss.detach(), grad, metrics, units, model
