@@ -10,7 +10,7 @@ def test_a_message_kind_passes_once_and_errors_always():
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.addFilter(OncePerKind())
-    logger = logging.getLogger("omnirl-test.quiet")
+    logger = logging.getLogger("transformers.omnirl-test")
     logger.addHandler(handler)
     logger.propagate = False
     for words in ("a red apple", "two cats on a mat"):
@@ -21,12 +21,17 @@ def test_a_message_kind_passes_once_and_errors_always():
     logger.warning("something else")
     logger.error("a failure")
     logger.error("a failure")
+    own = logging.getLogger("omnirl.test-quiet")  # omnirl's own warnings are never dropped
+    own.addHandler(handler)
+    own.propagate = False
+    own.warning("tracker 'x' failed at step 1")
+    own.warning("tracker 'x' failed at step 2")
     lines = stream.getvalue().splitlines()
     assert lines == [
         ("The following part of your input was truncated because CLIP can only handle sequences up to 77 tokens: "
          "['a red apple']"),
         "Token indices sequence length is longer than the specified maximum (91 > 77)",
-        "something else", "a failure", "a failure"]
+        "something else", "a failure", "a failure", "tracker 'x' failed at step 1", "tracker 'x' failed at step 2"]
 
 
 def test_installed_on_the_handlers_that_print_the_libraries_messages():

@@ -24,8 +24,8 @@ class OncePerKind(logging.Filter):
         self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
+        if record.levelno >= logging.ERROR or record.name.split(".")[0] not in LIBRARY_LOGGERS:
+            return True  # errors, and omnirl's own messages, always pass
         key = f"{record.name}:{kind(record.getMessage())}"
         if key in self.seen:
             return False
