@@ -59,9 +59,9 @@ def build(manager: PluginManager, out: Path, algo: str, options: dict[str, Any],
     counts: list[int] = []
     update = ctl.executor.update
 
-    def counting(algorithm: Any, units: list[Any], step: int) -> dict[str, float]:
+    def counting(units: list[Any], step: int) -> dict[str, float]:
         counts.append(len(units))
-        return update(algorithm, units, step)
+        return update(units, step)
 
     ctl.executor.update = counting  # count the training units of each step
     ctl.unit_counts = counts  # type: ignore[attr-defined]
