@@ -31,7 +31,7 @@ def main() -> None:
     records = {"recompute": [], "bypass": []}
     for i in range(2 * args.steps):
         mode = ("recompute", "bypass")[i % 2]
-        ctl.cfg.train.old_logprob = mode  # the algorithm reads it at every update
+        ctl.set_old_logprob(mode)  # the run-time switch: the controller's and every actor's algorithm
         records[mode].append(ctl.train_step(2 + i))
     ctl.executor.close()
     result = {"environment": environment(), "samples_per_step": len(ctl.requests(1)),
