@@ -133,20 +133,35 @@ def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=specials[-1], pad_token=specials[0])
 
 
+def corpus_words() -> list[str]:
+    """The small corpus's distinct words, sorted."""
+    return sorted(set(SMALL_CORPUS.split()))
+
+
+def corpus_characters() -> list[str]:
+    """The printable ASCII characters and the small corpus's, without white space, sorted."""
+    import string
+
+    return sorted((set(SMALL_CORPUS) | set(string.printable)) - set(string.whitespace))
+
+
 def t5_tokenizer(vocab_size: int = 256) -> Any:
     """A T5/UMT5-style tokenizer (Unigram + Metaspace, ``<pad>`` = 0, ``</s>`` = 1 appended to every
-    sequence) trained in milliseconds on the small corpus; for tiny Wan / SD3 text encoders."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    sequence) over the small corpus; for tiny Wan / SD3 text encoders. The Unigram vocabulary is built, not
+    trained: ``tokenizers``' Unigram trainer breaks ties in a per-process hash order, so two machines would get
+    different ids. Pieces: the specials, ``▁``, every printable ASCII character, ``▁word`` for every corpus word (words
+    score above the characters, so Viterbi keeps a known word whole)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.Unigram())
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [(c, -8.0) for c in corpus_characters()] + [("\u2581" + w, -5.0) for w in corpus_words()]
+    if len(vocab) > vocab_size:
+        raise ValueError(f"t5_tokenizer: the small corpus needs {len(vocab)} pieces, more than vocab_size={vocab_size}")
+    tk = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
     tk.normalizer = normalizers.NFKC()
     tk.pre_tokenizer = pre_tokenizers.Metaspace()
     tk.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"
-    )
-    tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
     tk.post_processor = processors.TemplateProcessing(
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tk.token_to_id("</s>"))]
     )

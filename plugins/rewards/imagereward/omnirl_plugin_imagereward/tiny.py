@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from omnirl_core.presets import SMALL_CORPUS, atomic_directory, cache_dir
+from omnirl_core.presets import atomic_directory, cache_dir, corpus_characters, corpus_words
 from omnirl_plugin_imagereward.convert import convert
 
 ORIGINAL = "imagereward_original.safetensors"
@@ -20,25 +20,30 @@ TINY = {"width": 32, "layers": 2, "heads": 2, "patch": 8, "image_size": 32, "tex
 
 
 def bert_tokenizer(directory: Path, vocab_size: int = 400) -> Any:
-    """A BERT-style WordPiece tokenizer (lower case, [CLS] ... [SEP], [PAD] = 0) trained on a small corpus."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A BERT-style WordPiece tokenizer (lower case, [CLS] ... [SEP], [PAD] = 0) over the small corpus. The
+    vocabulary is built, not trained (``tokenizers``' WordPiece trainer breaks ties in a per-process hash
+    order, so two machines got different vocabularies): the specials, every printable character, its ``##``
+    continuation, and every corpus word."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import BertTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tk = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    characters = [c for c in corpus_characters() if c == c.lower()]
+    pieces = specials + characters + ["##" + c for c in characters] + [w for w in corpus_words() if len(w) > 1]
+    if len(pieces) > vocab_size:
+        raise ValueError(f"bert_tokenizer: the small corpus needs {len(pieces)} pieces, more than {vocab_size}")
+    tk = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
     tk.normalizer = normalizers.BertNormalizer(lowercase=True)
     tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tk.decoder = decoders.WordPiece()
-    tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainers.WordPieceTrainer(vocab_size=vocab_size,
-                                                                                  special_tokens=specials))
     tk.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
         special_tokens=[("[CLS]", tk.token_to_id("[CLS]")), ("[SEP]", tk.token_to_id("[SEP]"))])
     tokenizer = BertTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                                   cls_token="[CLS]", mask_token="[MASK]")
     tokenizer.save_pretrained(str(directory))
-    vocab = tk.get_vocab()  # vocab.txt too, as bert-base-uncased ships it (BLIP's slow BertTokenizer reads it)
-    (directory / "vocab.txt").write_text("".join(t + "\n" for t in sorted(vocab, key=vocab.get)))
+    # vocab.txt too, as bert-base-uncased ships it (BLIP's slow BertTokenizer reads it)
+    (directory / "vocab.txt").write_text("".join(p + "\n" for p in pieces))
     return tokenizer
 
 
@@ -76,6 +81,7 @@ def random_original_state(vocab_size: int, seed: int = 0) -> tuple[dict[str, tor
     names = BlipTextModel(BlipTextConfig(vocab_size=vocab_size, hidden_size=t["text_width"],
                                          intermediate_size=4 * t["text_width"], num_hidden_layers=t["text_layers"],
                                          num_attention_heads=t["text_heads"], max_position_embeddings=64,
+                                         bos_token_id=vocab_size - 2,
                                          encoder_hidden_size=w), add_pooling_layer=False).state_dict()
     for key, value in names.items():
         if key.endswith("position_ids"):
@@ -100,4 +106,4 @@ def save_tiny(directory: Path, seed: int = 0) -> None:
 
 
 def tiny_directory(seed: int = 0) -> Path:
-    return atomic_directory(cache_dir() / "presets" / f"imagereward-tiny-v1-seed{seed}", lambda tmp: save_tiny(tmp, seed))
+    return atomic_directory(cache_dir() / "presets" / f"imagereward-tiny-v2-seed{seed}", lambda tmp: save_tiny(tmp, seed))
