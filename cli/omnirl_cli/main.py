@@ -415,6 +415,9 @@ RunDirArg = typer.Argument(None, help="A run directory: its config, and its late
 CheckpointOpt = typer.Option(None, "--checkpoint", help="A checkpoint: step-N or N of the run, or a directory.")
 LoraOpt = typer.Option(None, "--lora", help="A LoRA directory (pytorch_lora_weights.safetensors) to load.")
 BaseOpt = typer.Option(False, "--base", help="The base model (no trained weights).")
+TrainedOpt = typer.Option(False, "--trained-weights", help="A checkpoint that holds evaluation weights "
+                          "(eval-weights/: the algorithm's EMA, e.g. flowgrpo with ema=true) gives those by default; "
+                          "load the trained weights instead.")
 
 
 @app.command("eval")
@@ -423,6 +426,7 @@ def eval_cmd(
     checkpoint: str | None = CheckpointOpt,
     lora: str | None = LoraOpt,
     base: bool = BaseOpt,
+    trained_weights: bool = TrainedOpt,
     compare: str | None = typer.Option(None, "--compare", help="'base': evaluate the base model too, side by side, "
                                        "with the difference and its paired standard error."),
     model: str | None = ModelOpt,
@@ -457,14 +461,17 @@ def eval_cmd(
                          hint="Give a run directory (or --checkpoint / --lora).")
     records, described = ev.eval_records(resolved, prompts, split, max_prompts)
     cfg = resolved.config
-    _err(f"omnirl: evaluating on {described}, {samples} sample(s) each, ODE sampler, {cfg.rollout.num_steps} steps, "
+    _err(f"omnirl: evaluating on {described}, {samples} sample(s) each, ODE sampler, {ev.eval_steps(cfg)} steps, "
          f"CFG {cfg.rollout.guidance_scale:g}")
     evaluator = ev.Evaluator(resolved)
     results = []
     if weights is None or compare == "base":
         results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "base"))
     if weights is not None:
-        evaluator.load(weights)
+        evaluator.load(weights, trained=trained_weights)
+        if evaluator.loaded != str(weights):
+            _err(f"omnirl: evaluating {evaluator.loaded} (the algorithm's evaluation weights; --trained-weights "
+                 "loads the trained ones)")
         results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "trained"))
     comparison = ev.compare(results[0], results[1]) if len(results) == 2 else None
     step = ev.checkpoint_step(weights)
@@ -475,9 +482,10 @@ def eval_cmd(
     else:
         root = ev.default_eval_dir(resolved)
     name = f"step-{step:06d}" if weights is None or step or checkpoint else f"lora-{weights.name}"
-    settings = {"step": step, "checkpoint": str(weights) if weights else None, "during_training": False,
+    settings = {"step": step, "checkpoint": str(weights) if weights else None, "weights": evaluator.loaded,
+                "during_training": False,
                 "prompts": described, "samples_per_prompt": samples, "seed": seed, "sampler": "ode",
-                "num_steps": cfg.rollout.num_steps, "guidance_scale": cfg.rollout.guidance_scale,
+                "num_steps": ev.eval_steps(cfg), "guidance_scale": cfg.rollout.guidance_scale,
                 "rewards": [f"{e.name} x{e.weight:g}" for e in cfg.rewards]}
     path = ev.write_results(root / "eval" / name, results, settings, comparison, samples)
     if fmt == "json":
@@ -516,6 +524,7 @@ def sample_cmd(
     checkpoint: str | None = CheckpointOpt,
     lora: str | None = LoraOpt,
     base: bool = BaseOpt,
+    trained_weights: bool = TrainedOpt,
     model: str | None = ModelOpt,
     algo: str | None = AlgoOpt,
     preset: str | None = PresetOpt,
@@ -544,10 +553,11 @@ def sample_cmd(
         raise UsageError("No prompts.", hint="Give --prompt TEXT (repeatable) or --prompts SOURCE.")
     evaluator = Evaluator(resolved, score=False)
     if weights is not None:
-        evaluator.load(weights)
+        evaluator.load(weights, trained=trained_weights)
     outputs = evaluator.generate(eval_requests(records, resolved.config, samples, seed), score=False)
     rows = save_samples(outputs, Path(out))
-    _err(f"omnirl: {len(rows)} sample(s) from {weights or 'the base model'} in {out} (index: samples.jsonl)")
+    _err(f"omnirl: {len(rows)} sample(s) from {evaluator.loaded if weights else 'the base model'} in {out} "
+         "(index: samples.jsonl)")
 
 
 @app.command("report")

@@ -7,9 +7,10 @@ One class, three roles, each played by its own instance built from the same opti
   its options, the config and the step: under Ray it never sees what the actor's instance learns.
 - the **actor**'s instance (one per train rank, in the worker process) turns units into gradients:
   ``prepare`` (no-grad pass: old log-probs), ``reference_prepare`` (the reference policy's outputs),
-  ``loss``, ``finish_minibatch``, ``after_update``; it owns the checkpointed state (``state`` /
-  ``state_tensors``) and decides which weights the rollout samples with (``rollout_policy`` when colocated,
-  ``sync_policy`` for the export to a separate rollout worker).
+  ``loss``, ``finish_minibatch``, ``after_optimizer_step``, ``after_update``; it owns the checkpointed state
+  (``state`` / ``state_tensors``) and decides which weights the rollout samples with (``rollout_policy`` when
+  colocated, ``sync_policy`` for the export to a separate rollout worker) and which weights are evaluated and
+  exported for use (``eval_policy``, e.g. an EMA of the trained weights).
 - a **reference** worker's instance (``run.reference=separate``) runs only ``reference_prepare``.
 
 Every optional method has a no-op default here, so the runtime calls them unconditionally.
@@ -32,6 +33,10 @@ class Algorithm:
 
     uses_reference: bool = False
     """Whether this configuration has a reference term (e.g. ``beta > 0``); set in ``__init__``."""
+
+    has_eval_policy: bool = False
+    """Whether ``eval_policy`` swaps in other weights than the trained ones (then checkpoints also hold those
+    weights, in ``eval-weights/``); set in ``__init__``."""
 
     def __init__(self, options: Any, config: Any):
         self.options = options
@@ -78,6 +83,10 @@ class Algorithm:
         and sequence-level metrics."""
         return [], {}
 
+    def after_optimizer_step(self, model: Any) -> None:
+        """After each optimizer step of the update (a step's update takes one per minibatch), called by the
+        train engine on every rank: e.g. fold it into an EMA of the trained weights."""
+
     def after_update(self, model: Any) -> None:
         """After the step's optimizer updates (e.g. fold them into an EMA)."""
 
@@ -102,6 +111,11 @@ class Algorithm:
 
     def sync_policy(self, model: Any) -> AbstractContextManager[None]:
         """Around the export of weights to a separate rollout worker (default: the trained ones)."""
+        return nullcontext()
+
+    def eval_policy(self, model: Any) -> AbstractContextManager[None]:
+        """Around an evaluation during training, and the export of the weights a checkpoint offers for use
+        (``eval-weights/``): the weights to evaluate (default: the trained ones; see ``has_eval_policy``)."""
         return nullcontext()
 
 

@@ -222,6 +222,10 @@ class RunSection(Section):
     )
     eval_samples: int = Field(2, ge=1, description="Samples per test prompt in an evaluation during training "
                               "(seeds fixed for the whole run).")
+    eval_steps: int | None = Field(
+        None, ge=1, description="Denoising steps of the evaluation's ODE sampler, during training and in omnirl "
+        "eval / sample (None: rollout.num_steps; flow_grpo evaluates with 40)."
+    )
 
 
 class RunConfig(Section):

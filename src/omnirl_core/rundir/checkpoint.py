@@ -4,6 +4,8 @@ Layout of ``<run>/checkpoints/step-000020/``:
   pytorch_lora_weights.safetensors | transformer/   trained weights, in the layout diffusers reads
   optimizer.safetensors, optimizer.json             optimizer tensors (flattened) and their metadata
   algorithm.json, algorithm.safetensors             the algorithm's own state (optional)
+  eval-weights/                                     the weights the algorithm evaluates, when they are not the
+                                                    trained ones (FlowGRPO's EMA): what `omnirl eval` loads
   trainer_state.json                                step, the files, the controller's extra state
   metrics.jsonl                                     the run's metrics rows 1..step, byte for byte
   checksums.json                                    SHA-256 of every file above; written last
@@ -37,6 +39,7 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 ALGORITHM_STATE = "algorithm.json"
 ALGORITHM_TENSORS = "algorithm.safetensors"
+EVAL_WEIGHTS = "eval-weights"
 STEP_DIR = re.compile(r"step-(\d{6,})")
 
 
@@ -94,6 +97,14 @@ def save_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any,
         save_file(tensors, str(directory / OPTIMIZER_TENSORS))
         (directory / OPTIMIZER_META).write_text(json.dumps(meta))
         files += [OPTIMIZER_TENSORS, OPTIMIZER_META]
+    if algorithm is not None and algorithm.has_eval_policy:  # e.g. an EMA of the trained weights
+        with algorithm.eval_policy(model):
+            if getattr(trainer, "sharded", False):
+                full = export_trained_state(model, trainer)  # a collective: every rank
+                written = model.save_trained(directory / EVAL_WEIGHTS, state=full) if rank == 0 else []
+            else:
+                written = model.save_trained(directory / EVAL_WEIGHTS) if rank == 0 else []
+        files += [f"{EVAL_WEIGHTS}/{name}" for name in written]
     if rank == 0 and algorithm is not None:
         state = algorithm.state()
         if state:

@@ -37,6 +37,11 @@ def ode_plan(num_steps: int) -> RolloutPlan:
     return RolloutPlan(step_kinds=("ode",) * num_steps, train_steps=())
 
 
+def eval_steps(cfg: Any) -> int:
+    """The evaluation sampler's steps: ``run.eval_steps``, else the rollout's."""
+    return cfg.run.eval_steps or cfg.rollout.num_steps
+
+
 def eval_seed(seed: int, prompt: str, k: int) -> int:
     """The seed of sample ``k`` of ``prompt``: the same whatever the model, the prompt's position or batch."""
     digest = hashlib.sha256(f"omnirl-eval:{seed}:{k}:{prompt}".encode()).digest()
@@ -44,7 +49,7 @@ def eval_seed(seed: int, prompt: str, k: int) -> int:
 
 
 def eval_requests(records: list[dict[str, Any]], cfg: Any, samples_per_prompt: int, seed: int) -> list[GenRequest]:
-    plan = ode_plan(cfg.rollout.num_steps)
+    plan = ode_plan(eval_steps(cfg))
     out = []
     for i, record in enumerate(records):
         for k in range(samples_per_prompt):
@@ -213,14 +218,19 @@ class Evaluator:
             self.rewards = build_rewards(resolved)
         self.loaded: str = "base"
 
-    def load(self, directory: Path) -> None:
-        """Trained weights from a checkpoint (verified against its checksums) or a LoRA directory."""
-        from omnirl_core.rundir.checkpoint import CHECKSUMS, verify
+    def load(self, directory: Path, trained: bool = False) -> None:
+        """Trained weights from a checkpoint (verified against its checksums) or a LoRA directory. A checkpoint
+        that holds evaluation weights (``eval-weights/``: an algorithm's EMA of the trained weights, as
+        FlowGRPO's ``ema`` keeps) gives those, unless ``trained``."""
+        from omnirl_core.rundir.checkpoint import CHECKSUMS, EVAL_WEIGHTS, verify
 
         if (directory / CHECKSUMS).is_file():
             verify(directory)
+        source = directory
+        if not trained and (directory / EVAL_WEIGHTS).is_dir():
+            source = directory / EVAL_WEIGHTS
         try:
-            self.worker.model.load_trained(directory)
+            self.worker.model.load_trained(source)
         except FileNotFoundError as exc:
             raise UsageError(f"'{directory}' holds no trained weights this model reads ({exc}).",
                              hint="Pass a checkpoint directory (checkpoints/step-N) or a LoRA directory with "
@@ -229,7 +239,7 @@ class Evaluator:
             raise UsageError(f"The weights in '{directory}' do not fit this model: {str(exc)[:300]}",
                              hint="Evaluate with the model, preset and LoRA settings the weights were trained "
                              "with (a run directory's config.yaml has them).") from None
-        self.loaded = str(directory)
+        self.loaded = str(source)
 
     def generate(self, requests: list[GenRequest], score: bool = True) -> list[Sample]:
         samples = list(self.worker.generate(requests))

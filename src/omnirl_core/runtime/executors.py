@@ -82,7 +82,8 @@ class InlineExecutor:
         reserve = int(need * run.reward_workers * run.reward_concurrency)
         return max(1, torch.get_num_threads() - reserve) if reserve else None
 
-    def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
+    def rollout(self, requests: list[GenRequest], evaluation: bool = False) -> tuple[list[Sample], dict[str, float]]:
+        """``evaluation``: sample with the weights the algorithm evaluates (``Algorithm.eval_policy``)."""
         import torch
 
         assert self.worker is not None and self.stream is not None
@@ -90,7 +91,7 @@ class InlineExecutor:
         if threads is not None:
             torch.set_num_threads(threads)
         try:
-            samples, timing = self.stream.run(self.worker.generate(requests))
+            samples, timing = self.stream.run(self.worker.generate(requests, evaluation))
         finally:
             torch.set_num_threads(before)
         return samples, {**timing.metrics(), "rollout/threads": float(threads or before)}

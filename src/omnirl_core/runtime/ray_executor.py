@@ -59,9 +59,9 @@ class WorkerActor:
     def setup(self) -> None:
         self.worker.setup()
 
-    def generate(self, requests: list[GenRequest]):
+    def generate(self, requests: list[GenRequest], evaluation: bool = False):
         """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
-        for sample in self.worker.generate(requests):
+        for sample in self.worker.generate(requests, evaluation):
             yield reward_view(sample)
             yield sample
 
@@ -76,8 +76,8 @@ class WorkerActor:
     def reference_outputs(self, units: list[Any]) -> list[dict[str, Any]]:
         return self.worker.reference_outputs(units)
 
-    def trained_state(self) -> dict[str, Any] | None:
-        return self.worker.trained_state()
+    def trained_state(self, evaluation: bool = False) -> dict[str, Any] | None:
+        return self.worker.trained_state(evaluation)
 
     def set_old_logprob(self, mode: str) -> None:
         self.worker.set_old_logprob(mode)
@@ -156,6 +156,7 @@ class RayExecutor:
         self.pools: list[Any] = []
         self._started_ray = False
         self._next_reward = 0
+        self.eval_weights_differ = False  # the algorithm evaluates other weights than it trains (an EMA)
 
     # -- placement -----------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -205,7 +206,9 @@ class RayExecutor:
         resource = r.device.ray_resource if r.device else "CPU"
         worker_opts = _actor_resources(resource, run.worker_cpus)
         train_roles = ["actor", "rollout"] if self.colocated else ["actor"]
-        separate_reference = reference_placement(r, build_algorithm(r)) == "separate"
+        algorithm = build_algorithm(r)
+        separate_reference = reference_placement(r, algorithm) == "separate"
+        self.eval_weights_differ = algorithm.has_eval_policy
         reward_opts = self._reward_options()
         self._check_capacity({
             "train": [_bundle(worker_opts)] * run.train_workers,
@@ -276,13 +279,21 @@ class RayExecutor:
         return [*workers, self.reference_worker] if self.reference_worker is not None else workers
 
     # -- the step ------------------------------------------------------------------------------
-    def rollout(self, requests: list[GenRequest]) -> tuple[list[Sample], dict[str, float]]:
+    def rollout(self, requests: list[GenRequest], evaluation: bool = False) -> tuple[list[Sample], dict[str, float]]:
+        """``evaluation``: sample with the weights the algorithm evaluates (``Algorithm.eval_policy``); a
+        separate rollout worker gets them for this rollout and the rollout weights back after it."""
         import ray
 
+        if evaluation and not self.colocated and self.eval_weights_differ:
+            self.sync_weights(evaluation=True)
+            try:
+                return self.rollout(requests)
+            finally:
+                self.sync_weights()
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
         refs, views, calls = [], [], []
-        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests)
+        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation)
         for index, ref in enumerate(stream):  # a sample's reward view, then the sample
             if index % 2:
                 refs.append(ref)
@@ -325,12 +336,12 @@ class RayExecutor:
 
         ray.get([w.set_old_logprob.remote(mode) for w in self.train])
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, evaluation: bool = False) -> dict[str, float]:
         import ray
 
         if self.colocated:
             return {}
-        states = [w.trained_state.remote() for w in self.train]  # a collective on sharded ranks
+        states = [w.trained_state.remote(evaluation) for w in self.train]  # a collective on sharded ranks
         moved = ray.get(self.rollout_worker.load_trained_state.remote(states[0]))
         ray.get(states[1:])
         return {"sync/bytes": float(moved)}

@@ -119,11 +119,18 @@ class Worker:
             self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
 
     # -- rollout -------------------------------------------------------------------------------
-    def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
+    def generate(self, requests: list[GenRequest], evaluation: bool = False) -> Iterator[Sample]:
+        """``evaluation``: with the weights the algorithm evaluates (``eval_policy``, e.g. FlowGRPO's EMA)."""
         # the actor's algorithm may roll out with other weights than the trained ones (DiffusionNFT's EMA
         # sampler policy); a separate rollout worker gets those through ``sync_policy`` instead
         colocated = self.algorithm is not None and "actor" in self.roles
-        with self.algorithm.rollout_policy(self.model) if colocated else nullcontext():
+        if not colocated:
+            policy = nullcontext()
+        elif evaluation:
+            policy = self.algorithm.eval_policy(self.model)
+        else:
+            policy = self.algorithm.rollout_policy(self.model)
+        with policy:
             yield from self.rollout.generate(requests)
 
     # -- reference -----------------------------------------------------------------------------
@@ -157,11 +164,16 @@ class Worker:
             self.algorithm.old_logprob = mode
 
     # -- weight sync ---------------------------------------------------------------------------
-    def trained_state(self) -> dict[str, Any] | None:
+    def trained_state(self, evaluation: bool = False) -> dict[str, Any] | None:
         """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0. An
         algorithm that samples with other weights than the trained ones (DiffusionNFT's EMA) swaps them in
-        for the export through its optional ``sync_policy(model)`` hook."""
-        with self.algorithm.sync_policy(self.model) if self.algorithm is not None else nullcontext():
+        for the export through its ``sync_policy(model)`` hook; ``evaluation``: the weights it evaluates
+        (``eval_policy``)."""
+        if self.algorithm is None:
+            policy = nullcontext()
+        else:
+            policy = (self.algorithm.eval_policy if evaluation else self.algorithm.sync_policy)(self.model)
+        with policy:
             state = export_trained_state(self.model, self.trainer)  # copies: the hook's swap is undone after
         return state if self.rank == 0 else None
 

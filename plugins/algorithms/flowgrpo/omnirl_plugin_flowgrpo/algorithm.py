@@ -9,12 +9,24 @@ KL convention (README, "The KL coefficient"): omnirl's term is the exact KL betw
 reference's transitions, mean over latent elements of (mu - mu_ref)^2 / (2 std^2) with std = a_s sqrt(D). flow_grpo
 divides by a_s^2 instead (its ``std_dev_t`` leaves out sqrt(D)), so its term is the exact one times D = s - s' on
 every Flow-SDE step (equal on CPS steps, whose ``std_dev_t`` is the std). ``kl_convention: flow_grpo`` uses that
-term, so that a beta copied from flow_grpo's configs acts as it does there.
+term, so that a beta copied from flow_grpo's configs acts as it does there. ``kl_reduction`` says how the term
+reduces over the latent elements: the mean (flow_grpo's, and omnirl's default: beta does not depend on the
+resolution) or the sum (the KL of whole transitions in nats).
+
+EMA (``ema: true``, flow_grpo's ``train.ema``): a moving average of the trained weights (the LoRA adapters, or
+every trained parameter), starting from the initial weights. After optimizer step k (counted from 1), when
+(k + 1) is a multiple of ``ema_interval``: ema <- d ema + (1 - d) theta with d = min(ema_decay, (1 + k) / (10 + k)),
+as flow_grpo's EMA step does when it is called once per optimizer step (flow_grpo calls it once per micro-batch,
+so with G accumulated micro-batches it folds the same weights in G times in a row at those k). It is
+what the run evaluates (``run.eval_every``) and what checkpoints offer for use (``eval-weights/``, loaded by
+``omnirl eval`` / ``omnirl sample``); the rollout and the update use the trained weights, and a resume restores both.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +36,7 @@ from omnirl_core.errors import ConfigError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch
 from omnirl_core.flow.sampler import gaussian_kl
 from omnirl_core.interfaces import RolloutPlan
+from omnirl_core.rl.ema import ShadowParameters
 
 
 class FlowGRPOConfig(BaseModel):
@@ -37,6 +50,16 @@ class FlowGRPOConfig(BaseModel):
         "flow_grpo (the exact KL times each Flow-SDE step's size s - s', as flow_grpo computes it; use it with a beta "
         "copied from flow_grpo). See the plugin README."
     )
+    kl_reduction: Literal["mean", "sum"] = Field(
+        "mean", description="How the KL term reduces over the latent elements: mean (flow_grpo's; beta independent "
+        "of the resolution) or sum (the KL of whole transitions, in nats)."
+    )
+    ema: bool = Field(False, description="Keep an EMA of the trained weights (flow_grpo's train.ema): evaluated "
+                      "during training and saved in checkpoints' eval-weights/ for omnirl eval and sample.")
+    ema_decay: float = Field(0.9, ge=0, lt=1, description="EMA decay cap (flow_grpo: 0.9); the decay at optimizer "
+                             "step k is min(ema_decay, (1 + k) / (10 + k)).")
+    ema_interval: int = Field(8, ge=1, description="Fold the weights into the EMA after optimizer step k when k + 1 "
+                              "is a multiple of this (flow_grpo: 8).")
     adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
     global_std: bool = Field(True, description="Normalise advantages by the batch std (True) or per group.")
     window: int | None = Field(
@@ -63,27 +86,82 @@ class FlowGRPO(FlowPolicyGradient):
                               hint="End the window before the last step (window_start + window < num_steps).")
         kinds = tuple(o.sampler if i in trained else "ode" for i in range(self.num_steps))
         self._plan = RolloutPlan(step_kinds=kinds, train_steps=trained, eta=o.noise_level)
+        self.has_eval_policy = o.ema
+        self.ema_weights: ShadowParameters | None = None
+        self.optimizer_steps = 0  # the EMA's clock (checkpointed)
 
     def plan(self, step: int) -> RolloutPlan:
         return self._plan
 
     def transition_kl(self, units: list[Transition], mean: torch.Tensor, std: torch.Tensor,
                       batch: TransitionBatch) -> torch.Tensor:
-        """The KL term of each transition (N,) in ``kl_convention``."""
+        """The KL term of each transition (N,) in ``kl_convention`` and ``kl_reduction``."""
         ref_mean = torch.stack([u.ref_mean for u in units]).to(mean.device)
-        return kl_term(self.options.kl_convention, units[0].kind, mean, ref_mean, std, batch.s, batch.s_next)
+        return kl_term(self.options.kl_convention, units[0].kind, mean, ref_mean, std, batch.s, batch.s_next,
+                       self.options.kl_reduction)
+
+    # -- EMA of the trained weights --------------------------------------------------------------
+    def _ema(self, model: Any) -> ShadowParameters:
+        if self.ema_weights is None:  # first use: before the first optimizer step, so it starts at theta_0
+            self.ema_weights = ShadowParameters(model.trainable_parameters())
+        return self.ema_weights
+
+    def ema_decay(self, k: int) -> float:
+        """The decay at optimizer step ``k`` (from 1): flow_grpo's warm-up, capped at ``ema_decay``."""
+        return min(self.options.ema_decay, (1 + k) / (10 + k))
+
+    def loss(self, model: Any, units: list[Transition], first_update: bool = False, correction: bool = False):
+        if self.options.ema:
+            self._ema(model)
+        loss, metrics = super().loss(model, units, first_update, correction)
+        if self.options.ema and first_update:
+            metrics["flowgrpo/ema_lag_rms"] = self._ema(model).distance()
+        return loss, metrics
+
+    def after_optimizer_step(self, model: Any) -> None:
+        if not self.options.ema:
+            return
+        self.optimizer_steps += 1
+        if (self.optimizer_steps + 1) % self.options.ema_interval == 0:
+            self._ema(model).update(self.ema_decay(self.optimizer_steps))
+
+    def eval_policy(self, model: Any) -> Any:
+        return self._swapped(model) if self.options.ema else nullcontext()
+
+    @contextmanager
+    def _swapped(self, model: Any) -> Iterator[None]:
+        with self._ema(model).swapped():
+            yield
+
+    def state(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps} if self.options.ema else {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.ema_weights.state_dict() if self.options.ema and self.ema_weights is not None else {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], model: Any) -> None:
+        if self.options.ema:
+            self._ema(model).load_state_dict(tensors)
 
 
 def kl_term(convention: str, kind: str, mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor,
-            s: torch.Tensor, s_next: torch.Tensor) -> torch.Tensor:
+            s: torch.Tensor, s_next: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Per-transition KL term (N,) between the policy's and the reference's Gaussian transitions of equal std.
 
     exact: mean over latent elements of (mu - mu_ref)^2 / (2 std^2).
     flow_grpo: (mu - mu_ref)^2 / (2 std_dev_t^2) with flow_grpo's std_dev_t = a_s = std / sqrt(D) on Flow-SDE
-    steps, i.e. exact x D with D = s - s'; on CPS steps std_dev_t is the std and the terms agree."""
+    steps, i.e. exact x D with D = s - s'; on CPS steps std_dev_t is the std and the terms agree.
+    ``reduction`` sum: times the number of latent elements of a transition (the KL of the whole transition)."""
     if convention not in ("exact", "flow_grpo"):
         raise ValueError(f"unknown KL convention {convention!r}; expected 'exact' or 'flow_grpo'")
-    exact = gaussian_kl(mean, ref_mean, std)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"unknown KL reduction {reduction!r}; expected 'mean' or 'sum'")
+    term = gaussian_kl(mean, ref_mean, std)
     if convention == "flow_grpo" and kind == "sde":
-        return exact * (s.float() - s_next.float())
-    return exact
+        term = term * (s.float() - s_next.float())
+    if reduction == "sum":
+        term = term * (mean[0].numel() if mean.dim() > 1 else 1)
+    return term

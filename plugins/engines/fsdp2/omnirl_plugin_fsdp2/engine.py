@@ -136,6 +136,7 @@ class FSDP2TrainEngine:
             if finite_update(grad_norm, [], step, index, self.train.nonfinite, metrics):
                 metrics.add({"grad_norm": grad_norm}, 1.0 / self.world_size)
                 self.optimizer.step()
+                algorithm.after_optimizer_step(self.model)  # e.g. FlowGRPO's EMA of the weights
             self.optimizer.zero_grad(set_to_none=True)
         metrics.all_reduce(self.comm_device)
         return metrics.result()

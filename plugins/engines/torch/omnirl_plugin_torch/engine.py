@@ -65,5 +65,6 @@ class TorchTrainEngine:
             if finite_update(grad_norm, losses, step, index, self.train.nonfinite, metrics):
                 metrics.add({"grad_norm": grad_norm}, 1.0)
                 self.optimizer.step()
+                algorithm.after_optimizer_step(self.model)  # e.g. FlowGRPO's EMA of the weights
             self.optimizer.zero_grad(set_to_none=True)
         return metrics.result()
