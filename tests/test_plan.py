@@ -11,7 +11,7 @@ import torch
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.plan.activations import DenoiserProbe, _prepare, trace_activations
-from omnirl_core.plan.measure import cpu_peak_bytes
+from omnirl_core.plan.measure import training_step_peak_bytes
 from omnirl_core.plan.model import ModelSizing
 from omnirl_core.plan.planner import GIB, check_fits, parse_bytes, plan_memory
 
@@ -51,13 +51,7 @@ def test_activation_estimate_matches_the_measured_peak(side: int, batch: int, ch
     module = _prepare(_transformer(LAYERS, "cpu"), 8, LORA_TARGETS, checkpointing).train()
     inputs = probe.inputs(module, batch)
 
-    def step() -> None:
-        module(**inputs)[0].float().square().mean().backward()
-
-    step()  # lazily created state (RoPE caches, adapter grads) outside the measurement
-    for p in module.parameters():
-        p.grad = None
-    measured = cpu_peak_bytes(step)
+    measured = training_step_peak_bytes(module, lambda: module(**inputs)[0].float().square().mean())
     print(f"{side * 16}px-equivalent tokens {side * side}, batch {batch}, checkpointing {checkpointing}: "
           f"estimate {estimate.peak / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert 0.8 * measured <= estimate.peak <= 1.2 * measured, (estimate.peak, measured)

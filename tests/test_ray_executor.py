@@ -129,3 +129,18 @@ def test_pools_larger_than_the_cluster_fail_at_once(ray_cluster, tmp_path: Path)
         _metrics(tmp_path, executor="ray", placement="split", reference="separate", worker_cpus=0.5)
     assert time.perf_counter() - start < 60  # not the 120 s placement timeout
     assert ray.available_resources().get("CPU") == 2.0  # nothing was left placed
+
+
+def test_actors_size_torch_to_the_cpus_ray_assigned_them(ray_cluster, tmp_path: Path):
+    """Ray does not pin actors to cores: each sizes torch's pools to its own CPUs, not to the machine's."""
+    from omnirl_core.runtime.ray_executor import RewardActor
+    from omnirl_core.runtime.threads import available_cpus, ray_assigned_cpus
+
+    assert ray_assigned_cpus() is None  # the driver
+    resolved = _resolved(tmp_path)
+    for cpus, expected in ((0.5, 1), (1, 1), (2, min(2, available_cpus()))):  # one at a time: a 2-CPU cluster
+        actor = ray.remote(RewardActor).options(num_cpus=cpus).remote(resolved)
+        try:
+            assert ray.get(actor.torch_threads.remote(), timeout=120) == expected, cpus
+        finally:
+            ray.kill(actor)

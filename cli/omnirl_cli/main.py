@@ -6,10 +6,14 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 plugin resolutio
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import sys
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,22 +272,71 @@ RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster address (w
 DryRunOpt = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device.")
 
 
+@dataclass
+class RunFlags:
+    """The flags that make a run's config layers (``build_layers``), as one value: what ``run_flags`` passes."""
+
+    model: str | None = None
+    algo: str | None = None
+    preset: str | None = None
+    reward: list[str] | None = None
+    recipe: str | None = None
+    overrides: list[str] | None = None
+    output_dir: str | None = None
+    steps: int | None = None
+    device: str | None = None
+    seed: int | None = None
+    executor: str | None = None
+    ray_address: str | None = None
+    tracker: list[str] | None = None
+
+    def layers(self, manager: Any) -> list[dict]:
+        return build_layers(self.model, self.algo, self.preset, self.reward, self.recipe, self.overrides,
+                            self.output_dir, self.steps, self.device, self.seed, self.executor, self.ray_address,
+                            qualified={s.qualified_name for s in manager.registries["reward"]},
+                            trackers=self.tracker)
+
+
+RUN_FLAGS: dict[str, tuple[Any, Any]] = {
+    "model": (str | None, ModelOpt), "algo": (str | None, AlgoOpt), "preset": (str | None, PresetOpt),
+    "reward": (list[str] | None, RewardOpt), "recipe": (str | None, RecipeOpt), "overrides": (list[str] | None, SetOpt),
+    "output_dir": (str | None, OutputDirOpt), "steps": (int | None, StepsOpt), "device": (str | None, DeviceOpt),
+    "seed": (int | None, SeedOpt), "executor": (str | None, ExecutorOpt), "ray_address": (str | None, RayAddressOpt),
+    "tracker": (list[str] | None, TrackerOpt),
+}
+"""Every ``RunFlags`` field: its type and its option."""
+
+
+def run_flags(*names: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A command decorator: the command takes the run flags ``names`` (all of them when none is named;
+    ``options`` gives one of them another ``typer.Option``) ahead of its own parameters and gets them as its first
+    argument, one ``RunFlags``. Declared once, a flag reads the same in every command that takes it."""
+    chosen = names or tuple(RUN_FLAGS)
+    keyword = inspect.Parameter.KEYWORD_ONLY
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        hints = typing.get_type_hints(command, localns={"RunFlags": RunFlags})
+        own = list(inspect.signature(command).parameters.values())[1:]
+        flags = [inspect.Parameter(n, keyword, default=options.get(n, RUN_FLAGS[n][1]), annotation=RUN_FLAGS[n][0])
+                 for n in chosen]
+
+        def with_flags(**kwargs):  # typer reads the signature below, with evaluated types, not annotations
+            return command(RunFlags(**{n: kwargs.pop(n) for n in chosen}), **kwargs)
+
+        for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(with_flags, attribute, getattr(command, attribute))
+        with_flags.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            flags + [p.replace(kind=keyword, annotation=hints.get(p.name, p.annotation)) for p in own])
+        return with_flags
+
+    return decorate
+
+
 @config_app.command("show")
+@run_flags()
 def config_show(
-    model: str | None = ModelOpt,
-    algo: str | None = AlgoOpt,
-    preset: str | None = PresetOpt,
-    reward: list[str] | None = RewardOpt,
-    recipe: str | None = RecipeOpt,
-    overrides: list[str] | None = SetOpt,
-    output_dir: str | None = OutputDirOpt,
-    steps: int | None = StepsOpt,
-    device: str | None = DeviceOpt,
-    seed: int | None = SeedOpt,
-    executor: str | None = ExecutorOpt,
-    ray_address: str | None = RayAddressOpt,
+    flags: RunFlags,
     dry_run: bool = typer.Option(False, "--dry-run", help="Accepted so that a train command pastes as is."),
-    tracker: list[str] | None = TrackerOpt,
     fmt: str = typer.Option("yaml", "--format", help="yaml or json."),
 ) -> None:
     """The resolved config (every key, with plugin options and defaults; secrets redacted). Takes every flag
@@ -292,10 +345,8 @@ def config_show(
     from omnirl_core.resolve import resolve_run
 
     manager = _manager()
-    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
-                          executor, ray_address, qualified={s.qualified_name for s in manager.registries["reward"]},
-                          trackers=tracker)
-    if not (model or algo or recipe or overrides):
+    layers = flags.layers(manager)
+    if not (flags.model or flags.algo or flags.recipe or flags.overrides):
         data = RunConfig().model_dump(mode="json")
     else:
         data = resolve_run(manager, layers, probe_device=False).dump()
@@ -303,31 +354,14 @@ def config_show(
 
 
 @app.command()
-def train(
-    model: str | None = ModelOpt,
-    algo: str | None = AlgoOpt,
-    preset: str | None = PresetOpt,
-    reward: list[str] | None = RewardOpt,
-    recipe: str | None = RecipeOpt,
-    overrides: list[str] | None = SetOpt,
-    output_dir: str | None = OutputDirOpt,
-    steps: int | None = StepsOpt,
-    device: str | None = DeviceOpt,
-    seed: int | None = SeedOpt,
-    executor: str | None = ExecutorOpt,
-    ray_address: str | None = RayAddressOpt,
-    dry_run: bool = DryRunOpt,
-    tracker: list[str] | None = TrackerOpt,
-) -> None:
+@run_flags()
+def train(flags: RunFlags, dry_run: bool = DryRunOpt) -> None:
     """Train a model with an algorithm and rewards."""
     from omnirl_core.resolve import resolve_run
     from omnirl_core.runtime.launch import Launch
 
     manager = _manager()
-    layers = build_layers(model, algo, preset, reward, recipe, overrides, output_dir, steps, device, seed,
-                          executor, ray_address,
-                          qualified={s.qualified_name for s in manager.registries["reward"]}, trackers=tracker)
-    resolved = resolve_run(manager, layers, probe_device=not dry_run)
+    resolved = resolve_run(manager, flags.layers(manager), probe_device=not dry_run)
     launch = Launch.prepare(manager, resolved, dry_run=dry_run)
     if dry_run:
         if launch.data_problem:

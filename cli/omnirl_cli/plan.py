@@ -47,28 +47,15 @@ def dry_run_memory(resolved) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from omnirl_cli.main import (
-        AlgoOpt,
-        ModelOpt,
-        PresetOpt,
-        RecipeOpt,
-        RewardOpt,
-        SetOpt,
-        _manager,
-        build_layers,
-    )
+    from omnirl_cli.main import RunFlags, _manager, run_flags
 
     @app.command("plan")
+    @run_flags("model", "algo", "preset", "reward", "recipe", "overrides", "device", "executor",
+               device=typer.Option(None, "--device", help="cpu, cuda, ... (sets run.device: the dtype 'auto' "
+                                   "follows it)."),
+               executor=typer.Option(None, "--executor", help="inline or ray."))
     def plan_cmd(
-        model: str | None = ModelOpt,
-        algo: str | None = AlgoOpt,
-        preset: str | None = PresetOpt,
-        reward: list[str] | None = RewardOpt,
-        recipe: str | None = RecipeOpt,
-        overrides: list[str] | None = SetOpt,
-        device: str | None = typer.Option(None, "--device", help="cpu, cuda, ... (sets run.device: the dtype "
-                                          "'auto' follows it)."),
-        executor: str | None = typer.Option(None, "--executor", help="inline or ray."),
+        flags: RunFlags,
         device_memory: str | None = typer.Option(
             None, "--device-memory", help="Memory of one device, e.g. 80GiB or 141GB; default: the first "
             "accelerator's here, if any."),
@@ -83,9 +70,7 @@ def register(app: typer.Typer) -> None:
         if fmt not in ("table", "json"):
             raise UsageError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
         manager = _manager()
-        layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, device, None, executor,
-                              qualified={s.qualified_name for s in manager.registries["reward"]})
-        resolved = resolve_run(manager, layers, probe_device=False)
+        resolved = resolve_run(manager, flags.layers(manager), probe_device=False)
         plan = memory_plan(resolved, device_memory)
         typer.echo(json.dumps(plan.as_dict(), indent=2) if fmt == "json" else plan.table())
         check_fits(plan, f"The run ({resolved.model.name}, {resolved.algorithm.name})")

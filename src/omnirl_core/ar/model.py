@@ -27,6 +27,22 @@ ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS_DIR = "model"
 
 
+@contextmanager
+def adapters_disabled(module: torch.nn.Module) -> Iterator[None]:
+    """Within it, every peft adapter injected into ``module`` (``inject_adapter_in_model``: no ``PeftModel``
+    wrapper to switch them) is off: ``module`` is its base model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
 class CausalLMPolicy:
     """Base class of AR model plugins around a transformers causal LM (``self.module``, with ``generate``).
 
@@ -154,23 +170,12 @@ class CausalLMPolicy:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _adapter_layers(self) -> list[Any]:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        return [m for m in self.module.modules() if isinstance(m, BaseTunerLayer)]
-
     @contextmanager
     def reference(self) -> Iterator[None]:
         """The frozen reference policy: the base model (LoRA disabled, or a copy made before training)."""
         if self.lora is not None:
-            layers = self._adapter_layers()
-            for layer in layers:
-                layer.enable_adapters(False)
-            try:
+            with adapters_disabled(self.module):
                 yield
-            finally:
-                for layer in layers:
-                    layer.enable_adapters(True)
         elif self._reference_copy is not None:
             trained, self.module = self.module, self._reference_copy
             try:

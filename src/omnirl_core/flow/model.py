@@ -270,6 +270,19 @@ def check_size(label: str, height: int, width: int, multiple: int, num_frames: i
         raise UsageError(f"{label} generates images; rollout.num_frames must be unset.")
 
 
+def check_checkpoint_layout(label: str, path: str, layout: str, found: str, description: str) -> None:
+    """A checkpoint of another layout (``found``, ``description`` says what makes it so) than the one
+    ``model.options.layout`` names (``layout``) is a usage error that names the right setting."""
+    from omnirl_core.errors import UsageError
+
+    if found != layout:
+        raise UsageError(
+            f"The {label} checkpoint at '{path}' has the {found} ({description}) layout, but model.options.layout is "
+            f"'{layout}'.",
+            hint=f"Set model.options.layout={found}.",
+        )
+
+
 class DiffusersModelOptions(BaseModel):
     """The options every diffusers flow model plugin has; a plugin's options subclass it and add their own."""
 

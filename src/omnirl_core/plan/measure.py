@@ -44,3 +44,12 @@ def peak_bytes(run: Callable[[], Any], device: Any = "cpu") -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
     return cpu_peak_bytes(run)
+
+
+def training_step_peak_bytes(module: Any, loss: Callable[[], Any]) -> int:
+    """Peak CPU bytes of ``loss().backward()`` through ``module``, measured on a second step: the first creates
+    what lives on between steps (RoPE caches, the gradients' buffers), which the planner counts elsewhere."""
+    loss().backward()
+    for p in module.parameters():
+        p.grad = None
+    return cpu_peak_bytes(lambda: loss().backward())

@@ -7,11 +7,12 @@ device. Everything else (dtypes, sharding, copies, the device budget) the planne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnirl_core.plan.activations import DenoiserProbe
+from omnirl_core.plan.sizing import checkpoint_numel, component_counts, trainable_numel
 
 
 @dataclass
@@ -84,3 +85,32 @@ def vae_decoder(build: Callable[[], Any], latent_shape: tuple[int, ...], dtype: 
 
     return DecoderProbe(build=build, run=lambda vae, batch: vae.decode(
         torch.empty(batch, *latent_shape, device="meta", dtype=dtype), return_dict=False), key=key)
+
+
+def on_meta(make: Callable[[], Any], dtype: Any) -> Any:
+    """``make()``'s module built on the ``meta`` device (no storage) in ``dtype``: what a probe's ``build`` gives."""
+    import torch
+
+    from omnirl_core.plan.activations import meta_cast
+
+    with torch.device("meta"):
+        return meta_cast(make(), dtype)
+
+
+def pipeline_sizing(config: Any, components: dict[str, Any], trained: tuple[str, ...],
+                    default_targets: tuple[str, ...], blocks: Iterable[Any], encoders: tuple[str, ...],
+                    probe: DenoiserProbe | None, decoder: DecoderProbe | None) -> ModelSizing:
+    """The ``ModelSizing`` of a pipeline of full-size ``components`` (on meta) that trains the ``trained`` ones:
+    the adapters of ``config.model.lora`` (on ``default_targets`` when it names none) or those components whole;
+    ``encoders``: those of these names the pipeline has; ``blocks``: the sharded blocks of a trained component."""
+    rank, targets = lora_settings(config, default_targets)
+    return ModelSizing(
+        components=component_counts(components),
+        trained=trained,
+        trainable=trainable_numel([components[name] for name in trained], targets, rank),
+        lora=rank is not None,
+        encoders=tuple(name for name in encoders if name in components),
+        probe=probe,
+        decoder=decoder,
+        largest_block=max(checkpoint_numel(b) for b in blocks),
+    )

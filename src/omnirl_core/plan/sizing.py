@@ -5,7 +5,7 @@ and call these; the arithmetic lives here once."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 
@@ -64,3 +64,27 @@ def trainable_numel(modules: Iterable[Any], lora_targets: tuple[str, ...] | str,
         return sum(lora_numel(m, lora_targets, lora_rank) for m in modules)
     frozen = {id(p) for tower in skip for p in tower.parameters()}
     return sum(p.numel() for m in modules for p in m.parameters() if id(p) not in frozen)
+
+
+def check_variant(model: str, variant: str, variants: Sequence[str]) -> None:
+    """A full-size build of ``model`` knows only its released ``variants``."""
+    if variant not in variants:
+        raise ValueError(f"unknown {model} variant {variant!r}; expected one of {tuple(variants)}")
+
+
+def component_counts(components: dict[str, Any]) -> dict[str, int]:
+    """``checkpoint_numel`` of every component of a pipeline, by component name."""
+    return {name: checkpoint_numel(module) for name, module in components.items()}
+
+
+def pipeline_training_bytes(components: dict[str, Any], trained: Sequence[str], lora_targets: tuple[str, ...] | str,
+                            lora_rank: int | None, dtype_bytes: int, reference: bool,
+                            skip: Iterable[Any] = ()) -> dict[str, int]:
+    """``training_bytes`` of a pipeline of ``components`` that trains the ``trained`` ones: every component's
+    weights; LoRA of ``lora_rank`` on ``lora_targets`` in each trained component (``lora_rank`` None: the trained
+    components whole but the ``skip`` modules, their weights counted already); with full fine-tuning and a KL term
+    (``reference``), a frozen copy of each trained component."""
+    counts = component_counts(components)
+    trainable = trainable_numel([components[name] for name in trained], lora_targets, lora_rank, skip)
+    copies = sum(counts[name] for name in trained) if reference and not lora_rank else 0
+    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)

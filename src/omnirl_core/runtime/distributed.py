@@ -1,11 +1,12 @@
 """torch.distributed process groups for training worker groups (gloo on CPU, nccl on CUDA, hccl on
-Ascend: the hardware plugin's ``DeviceSpec.backend``)."""
+Ascend: the hardware plugin's ``DeviceSpec.backend``), and the blocks a sharding engine shards one by one."""
 
 from __future__ import annotations
 
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 
 def free_port() -> int:
@@ -43,3 +44,37 @@ def ensure_process_group(backend: str) -> None:
                            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
     else:
         init_process_group(backend, 0, 1, "127.0.0.1", free_port())
+
+
+def shard_units(module: Any, names: list[str] | None = None) -> list[Any]:
+    """The blocks a sharding engine (FSDP2) shards and gathers one at a time: the modules of the ModuleLists
+    ``names`` (dotted paths below ``module``); by default those of ``module``'s top-level ModuleLists, else of
+    its outermost ModuleLists wherever they sit (a decoder's layers below ``language_model.model``). Empty: no
+    repeated blocks (the module is one unit)."""
+    import torch
+
+    if names is not None:
+        lists = []
+        for name in names:
+            try:
+                found = module.get_submodule(name)
+            except AttributeError:
+                found = None
+            if not isinstance(found, torch.nn.ModuleList):
+                from omnirl_core.errors import ConfigError
+
+                raise ConfigError(f"'{name}' is not a ModuleList of {type(module).__name__}.",
+                                  hint="shard_modules take the dotted paths of the ModuleLists that hold the blocks "
+                                  "(e.g. transformer_blocks, language_model.model.layers).")
+            lists.append(found)
+        return [block for found in lists for block in found]
+    top = [block for _, child in module.named_children() if isinstance(child, torch.nn.ModuleList) for block in child]
+    if top:
+        return top
+    chosen: list[str] = []
+    blocks: list[Any] = []
+    for name, child in module.named_modules():
+        if isinstance(child, torch.nn.ModuleList) and name and not any(name.startswith(c + ".") for c in chosen):
+            chosen.append(name)
+            blocks.extend(child)
+    return blocks

@@ -57,7 +57,12 @@ class WorkerActor:
         init_process_group(backend, self.worker.rank, self.worker.world_size, address, port)
 
     def setup(self) -> None:
-        self.worker.setup()
+        self.worker.setup()  # its thread policy: run.threads, else the CPUs Ray assigned this actor
+
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
 
     def generate(self, requests: list[GenRequest], evaluation: bool = False):
         """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
@@ -105,7 +110,15 @@ class RewardActor:
     """Scores samples with the run's rewards; returns the scores, never the samples."""
 
     def __init__(self, resolved: ResolvedRun):
+        from omnirl_core.runtime.threads import configure
+
+        configure()  # torch's pools sized to the CPUs Ray assigned this actor, not to the machine
         self.rewards = build_rewards(resolved)
+
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
 
     def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
         start = time.perf_counter()
@@ -164,8 +177,8 @@ class RayExecutor:
 
         if ray.is_initialized():
             return
-        # the thread policy's wait setting (omnirl_core.runtime.threads) goes to the workers too; Ray sizes each
-        # worker's OpenMP pool to its CPUs itself
+        # the thread policy's wait setting (omnirl_core.runtime.threads) goes to the workers too; each actor sizes
+        # torch's pools to the CPUs Ray assigned it (threads.configure)
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
         ray.init(address=self.resolved.config.run.ray_address, include_dashboard=False,

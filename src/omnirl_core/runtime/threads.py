@@ -78,11 +78,33 @@ def apply_env(threads: int | None = None, environ: Any = os.environ) -> None:
         environ.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
 
 
+def ray_assigned_cpus() -> int | None:
+    """Inside a Ray actor or task: the CPUs Ray assigned it (rounded down, at least 1); None elsewhere. Ray does
+    not pin a worker to cores, so without this every actor would size its pools to the whole machine."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never imported here: a process that has not loaded Ray is not a Ray worker
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        context = ray.get_runtime_context()
+        if context.worker.mode != ray.WORKER_MODE:
+            return None  # the driver
+        cpus = context.get_assigned_resources().get("CPU")
+    except Exception:  # noqa: BLE001 - an older or newer Ray without these calls: leave the pools as they are
+        return None
+    return None if cpus is None else max(1, math.floor(cpus + 1e-9))
+
+
 def configure(threads: int | None = None) -> ThreadPolicy:
-    """Size torch's pools: ``threads`` (``run.threads``) or every available core, never more."""
+    """Size torch's pools: ``threads`` (``run.threads``), else the CPUs Ray assigned this actor, else every
+    available core; never more than available."""
     import torch
 
     cpus = available_cpus()
+    if threads is None:
+        assigned = ray_assigned_cpus()
+        cpus = min(cpus, assigned) if assigned is not None else cpus
     intra = max(1, min(threads or cpus, cpus)) if threads is None else max(1, threads)
     if torch.get_num_threads() != intra:
         torch.set_num_threads(intra)

@@ -328,6 +328,28 @@ def offline_error(setup: str, call: str) -> str:
     return out.stdout[4:]
 
 
+def check_import_is_cheap(module: str) -> None:
+    """Importing ``module`` (a plugin's entry module) in a fresh process imports no torch: discovery stays cheap."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", f"importing {module} imports torch"
+
+
+def installed_algorithms() -> set[str]:
+    """The names ``omnirl list algos`` shows: an end-to-end test skips an algorithm plugin not installed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("omnirl")
+    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
+    return {a["name"] for a in json.loads(out.stdout)}
+
+
 def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, Any]]:
     """Drive the real ``omnirl train`` console script into ``run_dir`` (an end-to-end test); asserts it exits
     0 and returns the run's metrics records."""
@@ -378,9 +400,11 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     return first, last, se
 
 
-def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None) -> Any:
+def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None,
+             guidance_scale: float | None = None) -> Any:
     """The Flow-SDE log-prob of a fixed pair of transitions under ``model`` (what every policy-gradient loss is
-    made of), as a scalar loss with grad: for gradient-checkpointing and memory checks."""
+    made of), as a scalar loss with grad: for gradient-checkpointing and memory checks. With ``guidance_scale``,
+    the velocity is guided against the prompt " " (CFG on)."""
     import torch
 
     from omnirl_core.flow.sampler import step_mean, transition_logprob
@@ -389,9 +413,76 @@ def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None)
     shape = (2, *model.latent_shape(height, width, num_frames))
     x, x_next = (torch.randn(shape, generator=generator).to(model.device) for _ in range(2))
     s, s_next = torch.tensor([0.9, 0.5], device=model.device), torch.tensor([0.8, 0.4], device=model.device)
-    v = model.velocity(x, s, model.encode(["a red square", "a blue car, photo"]))
+    cond = model.encode(["a red square", "a blue car, photo"])
+    if guidance_scale is None:
+        v = model.velocity(x, s, cond)
+    else:
+        v = model.velocity(x, s, cond, guidance_scale, model.encode([" ", " "]))
     mean, std = step_mean("sde", x, v, s, s_next, 0.7)
     return -transition_logprob("sde", x_next, mean, std).mean()
+
+
+def with_same_adapter(model: Any, seed: int = 0) -> Any:
+    """``model`` set up to train a rank-4 LoRA (no reference), the adapter filled with the same non-zero weights
+    (0.05 N(0, 1) from ``seed``) as every model built alike: two such models, with and without gradient
+    checkpointing, then give every LoRA matrix a gradient to compare."""
+    import torch
+
+    from omnirl_core.config import LoraConfig
+
+    model.setup_training(LoraConfig(enabled=True, rank=4, alpha=4), need_reference=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+def check_checkpointing_flags(model: Any, on: bool) -> None:
+    """Every trained module of ``model`` has gradient checkpointing ``on`` (its ``gradient_checkpointing``)."""
+    flags = {name: getattr(m, "gradient_checkpointing", None) for name, m in model.trained_modules().items()}
+    assert all(flag == on for flag in flags.values()), f"gradient_checkpointing {flags}, expected {on}"
+
+
+def check_checkpointed_gradients(plain: Any, checkpointed: Any, size: int, num_frames: int | None = None,
+                                 guidance_scale: float | None = None, min_nonzero: float = 0.75) -> None:
+    """Two models alike but for gradient checkpointing (``with_same_adapter``), which is off in every trained
+    module of ``plain`` and on in ``checkpointed``'s: the same ``sde_loss`` at ``size`` and the same gradients
+    (1e-5), the same parameters with none; at least ``min_nonzero`` of the trainable parameters get a non-zero
+    gradient (1.0: every one)."""
+    import torch
+
+    check_checkpointing_flags(plain, False)
+    check_checkpointing_flags(checkpointed, True)
+    results = []
+    for model in (plain, checkpointed):
+        for p in model.trainable_parameters():
+            p.grad = None
+        loss = sde_loss(model, size, size, num_frames, guidance_scale)
+        loss.backward()
+        results.append((loss.detach(), [None if p.grad is None else p.grad.clone()
+                                        for p in model.trainable_parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
+    nonzero = sum(g is not None and bool(g.abs().sum() > 0) for g in grads_a)
+    assert nonzero >= min_nonzero * len(grads_a), f"{nonzero} of {len(grads_a)} gradients are non-zero"
+    for k, (a, b) in enumerate(zip(grads_a, grads_b)):
+        assert (a is None) == (b is None), f"trainable parameter {k}: a gradient in one model only"
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"trainable parameter {k}")
+
+
+def check_checkpointing_keeps_fewer_activations(plain: Any, checkpointed: Any, blocks: Any, size: int,
+                                                num_frames: int | None = None,
+                                                guidance_scale: float | None = None) -> None:
+    """The checkpointed model keeps fewer than half the bytes for the backward pass of ``sde_loss`` at ``size``
+    (``kept_for_backward_bytes`` over ``blocks(model)``, the checkpointed blocks)."""
+    check_checkpointing_flags(plain, False)
+    check_checkpointing_flags(checkpointed, True)
+    kept = [kept_for_backward_bytes(
+        list(m.trained_modules().values()), blocks(m),
+        lambda m=m: sde_loss(m, size, size, num_frames, guidance_scale).backward()) for m in (plain, checkpointed)]
+    assert kept[1] < 0.5 * kept[0], kept
 
 
 def check_gradient_checkpointing(plain: Any, checkpointed: Any, blocks: Any, size: int, large_size: int,
@@ -399,27 +490,28 @@ def check_gradient_checkpointing(plain: Any, checkpointed: Any, blocks: Any, siz
     """Two models alike but for gradient checkpointing (set up for training, the same non-zero adapter): the
     same loss and gradients (1e-5), and at ``large_size`` fewer than half the bytes kept for the backward pass
     (``kept_for_backward_bytes`` over ``blocks(model)``, the checkpointed blocks)."""
+    check_checkpointed_gradients(plain, checkpointed, size, num_frames)
+    check_checkpointing_keeps_fewer_activations(plain, checkpointed, blocks, large_size, num_frames)
+
+
+def check_checkpointing_lowers_peak_gpu_memory(build: Any, size: int, num_frames: int | None = None) -> None:
+    """``build(checkpointing)`` on a CUDA device, without and with gradient checkpointing: the backward pass of
+    ``sde_loss`` at ``size`` peaks lower with it (``torch.cuda.max_memory_allocated``)."""
     import torch
 
-    results = []
-    for model in (plain, checkpointed):
-        for p in model.trainable_parameters():
-            p.grad = None
-        loss = sde_loss(model, size, size, num_frames)
-        loss.backward()
-        results.append((loss.detach(), [None if p.grad is None else p.grad.clone()
-                                        for p in model.trainable_parameters()]))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
-    assert sum(g is not None and bool(g.abs().sum() > 0) for g in grads_a) >= 0.75 * len(grads_a)
-    for a, b in zip(grads_a, grads_b):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    kept = [kept_for_backward_bytes(
-        list(m.trained_modules().values()), blocks(m),
-        lambda m=m: sde_loss(m, large_size, large_size, num_frames).backward()) for m in (plain, checkpointed)]
-    assert kept[1] < 0.5 * kept[0], kept
+    peaks = {}
+    for checkpointing in (False, True):
+        model = build(checkpointing)
+        check_checkpointing_flags(model, checkpointing)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        sde_loss(model, size, size, num_frames).backward()
+        torch.cuda.synchronize()
+        peaks[checkpointing] = torch.cuda.max_memory_allocated() - base
+        del model
+        torch.cuda.empty_cache()
+    assert peaks[True] < peaks[False], peaks
 
 
 def matches_published(count: int, published: Any) -> bool:
@@ -429,6 +521,28 @@ def matches_published(count: int, published: Any) -> bool:
     if published.truncated:
         return published.value <= count < published.value + published.resolution
     return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
+
+
+def check_matches_published(count: int, published: Any, what: str) -> None:
+    """``matches_published``, or an AssertionError naming ``what``, both figures and the figure's source."""
+    assert matches_published(count, published), (
+        f"{what}: {count:,} vs published {published.value:,.0f} ({published.source})")
+
+
+def check_lora_numel(module: Any, targets: tuple[str, ...] | str, rank: int = 8) -> int:
+    """``omnirl_core.plan.sizing.lora_numel`` against what peft adds to ``module`` (``inject_adapter_in_model``,
+    which diffusers' ``add_adapter`` calls) for the same ``targets`` and ``rank``: equal and non-zero. Returns
+    the count. A full-width module of two or three blocks on meta keeps it quick."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from omnirl_core.plan.sizing import lora_numel
+
+    expected = lora_numel(module, targets, rank)
+    target_modules = targets if isinstance(targets, str) else list(targets)
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=target_modules), module)
+    added = sum(p.numel() for name, p in module.named_parameters() if "lora_" in name)
+    assert expected == added > 0, f"lora_numel counts {expected:,}, peft added {added:,}"
+    return expected
 
 
 def build_on_meta(build: Any, variants: Sequence[str] | None = None) -> Any:

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
-from omnirl_core.runtime.distributed import default_backend, ensure_process_group
+from omnirl_core.runtime.distributed import default_backend, ensure_process_group, shard_units
 from omnirl_core.runtime.training import (
     MetricMean,
     finite_update,
@@ -53,8 +53,8 @@ class FSDP2Options(BaseModel):
         "type's default (gloo on CPU, nccl on CUDA, hccl with torch-npu)."
     )
     shard_modules: list[str] | None = Field(
-        None, description="Attributes of the denoiser holding the blocks to shard one by one (ModuleLists); "
-        "None: every top-level ModuleList."
+        None, description="Dotted paths of the denoiser's ModuleLists holding the blocks to shard one by one; "
+        "None: every top-level ModuleList, else the outermost ModuleLists (e.g. language_model.model.layers)."
     )
     reshard_after_forward: bool = Field(True, description="Free gathered parameters after each forward (less "
                                         "memory, one more all-gather in backward).")
@@ -62,15 +62,7 @@ class FSDP2Options(BaseModel):
 
 
 def _blocks(denoiser: torch.nn.Module, names: list[str] | None) -> list[torch.nn.Module]:
-    out = []
-    for name, child in denoiser.named_children():
-        if isinstance(child, torch.nn.ModuleList) and (names is None or name in names):
-            out.extend(child)
-    if names is not None:
-        missing = [n for n in names if not isinstance(getattr(denoiser, n, None), torch.nn.ModuleList)]
-        if missing:
-            raise ValueError(f"fsdp2 shard_modules {missing} are not ModuleLists of {type(denoiser).__name__}")
-    return out
+    return shard_units(denoiser, names)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -101,6 +93,9 @@ class FSDP2TrainEngine:
             for block in _blocks(module, self.options.shard_modules):
                 fully_shard(block, reshard_after_forward=self.options.reshard_after_forward)
             fully_shard(module, reshard_after_forward=self.options.reshard_after_forward)
+            # methods a model calls instead of forward (BAGEL's prompt_kv) gather the root's parameters too
+            for method in getattr(module, "fsdp_forward_methods", ()):
+                register_fsdp_forward_method(module, method)
             prefix = f"{key}." if len(modules) > 1 else ""  # one module: the names of earlier checkpoints
             self.named_params += [(prefix + n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not self.named_params:

@@ -18,6 +18,7 @@ def omnirl_register_models(register):
             capabilities=frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "image"}),
             presets=("tiny",),
             default_path="ByteDance-Seed/BAGEL-7B-MoT",
+            sizing="omnirl_plugin_bagel.sizing:sizing",
             recipe_defaults={
                 "rollout": {"height": 512, "width": 512, "num_steps": 15, "guidance_scale": 4.0,
                             "negative_prompt": ""},

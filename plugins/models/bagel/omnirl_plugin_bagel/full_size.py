@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel, lora_numel, training_bytes
+from omnirl_core.plan.sizing import Published, check_variant, checkpoint_numel, lora_numel, training_bytes
 from omnirl_plugin_bagel.config import VAE_SCALE_FACTOR, VAE_SHIFT_FACTOR, BagelConfig, LLMConfig
 from omnirl_plugin_bagel.model import LORA_TARGETS
 from omnirl_plugin_bagel.transformer import BagelTransformer
@@ -62,15 +62,10 @@ class _Understanding(nn.Module):
         self.lm_head = nn.Linear(hidden, LLM.vocab_size, bias=False)
 
 
-def _check(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown BAGEL variant {variant!r}; expected one of {VARIANTS}")
-
-
 def full_size_components(variant: str = "bagel-7b-mot") -> dict[str, nn.Module]:
     """``transformer`` (what this plugin builds and trains), ``understanding`` (stored, not built) and ``vae``,
     on ``meta``: seconds, no memory."""
-    _check(variant)
+    check_variant("BAGEL", variant, VARIANTS)
     with torch.device("meta"):
         return {
             "transformer": BagelTransformer(BagelConfig(llm=LLM, max_latent_size=MAX_LATENT_SIZE)),

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omnirl_core.ar.model import adapters_disabled
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import DTYPES, DenoiserModel
@@ -165,25 +166,14 @@ class BagelModel(DenoiserModel):
     def frozen_modules(self) -> list[torch.nn.Module]:
         return [self.vae]
 
-    def _adapter_layers(self) -> list[Any]:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        return [m for m in self.denoiser.modules() if isinstance(m, BaseTunerLayer)]
-
     @contextmanager
     def reference(self) -> Iterator[None]:
         if self.lora is None:
             with super().reference():
                 yield
             return
-        layers = self._adapter_layers()
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
+        with adapters_disabled(self.denoiser):
             yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
 
     # -- contract ------------------------------------------------------------------------------
     @property
@@ -306,17 +296,6 @@ class BagelModel(DenoiserModel):
             self.load_trained_state_dict({k.removeprefix("base_model.model."): v for k, v in state.items()})
         else:
             self.load_trained_state_dict(load_file(str(directory / FULL_WEIGHTS_DIR / "ema.safetensors")))
-
-    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora is not None:
-            from peft.utils import set_peft_model_state_dict
-
-            result = set_peft_model_state_dict(self.denoiser, state, adapter_name="default")
-            unexpected = getattr(result, "unexpected_keys", None)
-            if unexpected:
-                raise ValueError(f"LoRA state has unexpected keys: {unexpected[:5]}")
-        else:
-            self.denoiser.load_state_dict(state)
 
 
 def _tiny_directory(seed: int) -> Path:

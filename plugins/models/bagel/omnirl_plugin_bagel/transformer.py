@@ -263,6 +263,9 @@ class BagelTransformer(nn.Module):
     ``vae2llm``, ``llm2vae`` and ``latent_pos_embed``. The SigLIP understanding tower, its connector and
     position table, and the LM head are not built (text-to-image reads none of them)."""
 
+    fsdp_forward_methods = ("prompt_kv",)
+    """Entry points other than ``forward`` that read the parameters (a sharding engine gathers them there too)."""
+
     def __init__(self, config: BagelConfig):
         super().__init__()
         self.config = config

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import (
+    Published,
+    check_variant,
+    checkpoint_numel,
+    component_counts,
+    pipeline_training_bytes,
+)
 
 VARIANTS = ("qwen-image",)
 
@@ -63,17 +69,12 @@ PUBLISHED: dict[tuple[str, str], Published] = {
 }
 
 
-def _check(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown Qwen-Image variant {variant!r}; expected one of {VARIANTS}")
-
-
 def full_size_components(variant: str = "qwen-image") -> dict[str, torch.nn.Module]:
     """The pipeline's modules by component name, on ``meta`` (no storage): seconds, no memory."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    _check(variant)
+    check_variant("Qwen-Image", variant, VARIANTS)
     with torch.device("meta"):
         return {
             "transformer": QwenImageTransformer2DModel(**TRANSFORMER),
@@ -89,7 +90,7 @@ def parameter_counts(variant: str = "qwen-image",
     merger). ``components``: those ``full_size_components`` built (built here when None)."""
     c = components or full_size_components(variant)
     text_encoder = c["text_encoder"]
-    counts = {name: checkpoint_numel(module) for name, module in c.items()}
+    counts = component_counts(c)
     counts.update({
         "vae.encoder": checkpoint_numel(c["vae"].encoder),
         "vae.decoder": checkpoint_numel(c["vae"].decoder),
@@ -104,8 +105,6 @@ TRAINED = {"qwen-image": ("transformer",)}
 """The components training updates (the rest stays frozen)."""
 
 
-
-
 def memory_estimate(variant: str = "qwen-image", lora_rank: int | None = 64, dtype_bytes: int = 2,
                     reference: bool = True, components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
     """Bytes training holds besides activations, as the torch train engine holds them: every component's weights
@@ -117,9 +116,5 @@ def memory_estimate(variant: str = "qwen-image", lora_rank: int | None = 64, dty
     parameter's. ``total`` sums them."""
     from omnirl_plugin_qwen_image.model import QwenImageModel
 
-    c = components or full_size_components(variant)
-    counts = {name: checkpoint_numel(module) for name, module in c.items()}
-    trained = TRAINED[variant]
-    trainable = trainable_numel([c[name] for name in trained], QwenImageModel.default_lora_targets, lora_rank)
-    copies = sum(counts[name] for name in trained) if reference and not lora_rank else 0
-    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)
+    return pipeline_training_bytes(components or full_size_components(variant), TRAINED[variant],
+                                   QwenImageModel.default_lora_targets, lora_rank, dtype_bytes, reference)

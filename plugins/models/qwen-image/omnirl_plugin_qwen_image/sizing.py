@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan.activations import DenoiserProbe, meta_cast
-from omnirl_core.plan.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype, vae_decoder
-from omnirl_core.plan.sizing import checkpoint_numel, trainable_numel
+from omnirl_core.plan import model as plan
+from omnirl_core.plan.activations import DenoiserProbe
 from omnirl_plugin_qwen_image.full_size import TRANSFORMER, VAE, full_size_components
 
 VAE_SCALE = 8
@@ -29,15 +28,14 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
 
     from omnirl_plugin_qwen_image.model import QwenImageModel
 
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     h = config.rollout.height // VAE_SCALE // PATCH
     w = config.rollout.width // VAE_SCALE // PATCH
     text = getattr(options, "max_sequence_length", 512)
-    _, targets = lora_settings(config, QwenImageModel.default_lora_targets)
+    _, targets = plan.lora_settings(config, QwenImageModel.default_lora_targets)
 
     def build(layers: int) -> torch.nn.Module:
-        with torch.device("meta"):
-            return meta_cast(QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": layers}), dtype)
+        return plan.on_meta(lambda: QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": layers}), dtype)
 
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
@@ -54,33 +52,20 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
                          key=("qwen-image", str(dtype), h, w, text, targets))
 
 
-def decoder(config: Any) -> DecoderProbe:
+def decoder(config: Any) -> plan.DecoderProbe:
     """The VAE decode of images at the configured resolution (one frame)."""
     from diffusers import AutoencoderKLQwenImage
 
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     h, w = config.rollout.height // VAE_SCALE, config.rollout.width // VAE_SCALE
-
-    def build() -> torch.nn.Module:
-        with torch.device("meta"):
-            return meta_cast(AutoencoderKLQwenImage(**VAE), dtype)
-
-    return vae_decoder(build, (VAE["z_dim"], 1, h, w), dtype, key=("qwen-image", str(dtype), h, w))
+    return plan.vae_decoder(lambda: plan.on_meta(lambda: AutoencoderKLQwenImage(**VAE), dtype),
+                            (VAE["z_dim"], 1, h, w), dtype, key=("qwen-image", str(dtype), h, w))
 
 
-def sizing(config: Any, options: Any) -> ModelSizing:
+def sizing(config: Any, options: Any) -> plan.ModelSizing:
     from omnirl_plugin_qwen_image.model import QwenImageModel
 
     components = _components()
-    rank, targets = lora_settings(config, QwenImageModel.default_lora_targets)
-    transformer = components["transformer"]
-    return ModelSizing(
-        components={name: checkpoint_numel(m) for name, m in components.items()},
-        trained=("transformer",),
-        trainable=trainable_numel([transformer], targets, rank),
-        lora=rank is not None,
-        encoders=("text_encoder", "vae"),
-        probe=probe(config, options),
-        decoder=decoder(config),
-        largest_block=max(checkpoint_numel(b) for b in transformer.transformer_blocks),
-    )
+    return plan.pipeline_sizing(config, components, ("transformer",), QwenImageModel.default_lora_targets,
+                                components["transformer"].transformer_blocks, ("text_encoder", "vae"),
+                                probe(config, options), decoder(config))

@@ -30,25 +30,13 @@ def build_tiny_pipeline(seed: int = 0, tokenizer=None):
 
     torch.manual_seed(seed)
     transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=3,
-        joint_attention_dim=text_hidden,
-        guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=text_hidden, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(
-        base_dim=24,
-        z_dim=4,
-        dim_mult=[1, 2, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True],
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
+        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
     )
     _widen_decoder_range(vae)
     torch.manual_seed(seed + 2)
@@ -97,6 +85,6 @@ def _widen_decoder_range(vae) -> None:
 
 def save_tiny(directory: str | Path, seed: int = 0) -> Path:
     """Build the tiny preset and save it in the diffusers layout (``model_index.json`` + components)."""
-    directory = Path(directory)
-    build_tiny_pipeline(seed).save_pretrained(str(directory), safe_serialization=True)
-    return directory
+    from omnirl_core.flow.model import save_pipeline
+
+    return save_pipeline(build_tiny_pipeline(seed), directory)

@@ -7,17 +7,17 @@ import pytest
 import torch
 from omnirl_plugin_qwen_image.full_size import PUBLISHED, full_size_components, parameter_counts
 
-from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
+from omnirl_core import testing
 
 
 @pytest.fixture(scope="module")
 def built():
-    return build_on_meta(full_size_components)
+    return testing.build_on_meta(full_size_components)
 
 
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built):
     assert set(built[0]) == {"transformer", "vae", "text_encoder"}
-    check_on_meta(*built)  # 28.8 billion fp32 parameters would be 115 GB
+    testing.check_on_meta(*built)  # 28.8 billion fp32 parameters would be 115 GB
 
 
 def test_the_architecture_is_the_released_one(built):
@@ -31,10 +31,8 @@ def test_the_architecture_is_the_released_one(built):
 
 @pytest.mark.parametrize("component", [c for _, c in PUBLISHED])
 def test_parameter_count_matches_the_published_figure(built, component: str):
-    count = parameter_counts(components=built[0])[component]
-    published = PUBLISHED["qwen-image", component]
-    assert matches_published(count, published), (
-        f"{component}: {count:,} vs published {published.value:,.0f} ({published.source})")
+    testing.check_matches_published(parameter_counts(components=built[0])[component], PUBLISHED["qwen-image", component],
+                                    component)
 
 
 def test_counts_hold_each_tensor_once_and_persistent_buffers():
@@ -52,15 +50,10 @@ def test_lora_count_is_what_peft_adds():
     from diffusers import QwenImageTransformer2DModel
     from omnirl_plugin_qwen_image.full_size import TRANSFORMER
     from omnirl_plugin_qwen_image.model import QwenImageModel
-    from peft import LoraConfig
-
-    from omnirl_core.plan.sizing import lora_numel
 
     with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
         transformer = QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": 2})
-    expected = lora_numel(transformer, QwenImageModel.default_lora_targets, 8)
-    transformer.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=list(QwenImageModel.default_lora_targets)))
-    assert expected == sum(p.numel() for name, p in transformer.named_parameters() if "lora_" in name) > 0
+    testing.check_lora_numel(transformer, QwenImageModel.default_lora_targets)
 
 
 def test_memory_estimate(built):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import Published, check_variant, checkpoint_numel, pipeline_training_bytes
 
 VARIANTS = ("30b-a3b",)
 
@@ -56,16 +56,11 @@ PUBLISHED: dict[tuple[str, str], Published] = {
 }
 
 
-def _check(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown Qwen3-Omni variant {variant!r}; expected one of {VARIANTS}")
-
-
 def full_size_components(variant: str = "30b-a3b") -> dict[str, torch.nn.Module]:
     """``{"thinker": module}`` on ``meta`` (no storage): seconds, no memory."""
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
-    _check(variant)
+    check_variant("Qwen3-Omni", variant, VARIANTS)
     with torch.device("meta"):
         return {"thinker": Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeThinkerConfig(**THINKER))}
 
@@ -108,9 +103,7 @@ def memory_estimate(variant: str = "30b-a3b", lora_rank: int | None = 32, dtype_
     (``dtype_bytes``: 2 for bfloat16, 4 for float32). ``total`` sums them."""
     from omnirl_plugin_qwen3_omni.model import Qwen3OmniThinker
 
-    thinker = (components or full_size_components(variant))["thinker"]
-    total = checkpoint_numel(thinker)
-    trainable = trainable_numel([thinker], Qwen3OmniThinker.default_lora_targets, lora_rank,
-                                skip=(thinker.model.visual, thinker.model.audio_tower))
-    copies = total if reference and not lora_rank else 0
-    return training_bytes({"thinker": total}, trainable, trainable if lora_rank else 0, copies, dtype_bytes)
+    c = components or full_size_components(variant)
+    thinker = c["thinker"]
+    return pipeline_training_bytes(c, ("thinker",), Qwen3OmniThinker.default_lora_targets, lora_rank, dtype_bytes,
+                                   reference, skip=(thinker.model.visual, thinker.model.audio_tower))

@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 from omnirl_plugin_qwen3_omni.full_size import PUBLISHED, full_size_components, parameter_counts
 
-from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
+from omnirl_core import testing
 
 
 @pytest.fixture(scope="module")
 def built():
-    return build_on_meta(full_size_components)
+    return testing.build_on_meta(full_size_components)
 
 
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built):
     assert "thinker" in built[0]
-    check_on_meta(*built)  # 31.7B fp32 parameters would be 127 GB
+    testing.check_on_meta(*built)  # 31.7B fp32 parameters would be 127 GB
 
 
 def test_the_decoder_is_the_released_moe(built):
@@ -30,10 +30,8 @@ def test_the_decoder_is_the_released_moe(built):
 
 @pytest.mark.parametrize("component", [c for _, c in PUBLISHED])
 def test_parameter_count_matches_the_published_figure(built, component: str):
-    count = parameter_counts(components=built[0])[component]
-    published = PUBLISHED["30b-a3b", component]
-    assert matches_published(count, published), (
-        f"{component}: {count:,} vs published {published.value:,.0f} ({published.source})")
+    testing.check_matches_published(parameter_counts(components=built[0])[component], PUBLISHED["30b-a3b", component],
+                                    component)
 
 
 def test_lora_count_is_what_the_plugin_adapts(built):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import Published, check_variant, component_counts, pipeline_training_bytes
 
 VARIANTS = ("medium", "large")
 
@@ -64,17 +64,12 @@ PUBLISHED: dict[tuple[str, str], Published] = {
 }
 
 
-def _check(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown SD3.5 variant {variant!r}; expected one of {VARIANTS}")
-
-
 def full_size_components(variant: str = "medium") -> dict[str, torch.nn.Module]:
     """The pipeline's modules by component name, on ``meta`` (no storage): seconds, no memory."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    _check(variant)
+    check_variant("SD3.5", variant, VARIANTS)
     with torch.device("meta"):
         return {
             "transformer": SD3Transformer2DModel(**TRANSFORMERS[variant]),
@@ -87,15 +82,12 @@ def full_size_components(variant: str = "medium") -> dict[str, torch.nn.Module]:
 
 def parameter_counts(variant: str = "medium", components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
     """Counts per component. ``components``: those ``full_size_components`` built (built here when None)."""
-    c = components or full_size_components(variant)
-    return {name: checkpoint_numel(module) for name, module in c.items()}
+    return component_counts(components or full_size_components(variant))
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
 TRAINED = ("transformer",)
 """The components training updates (the rest stays frozen)."""
-
-
 
 
 def memory_estimate(variant: str = "medium", lora_rank: int | None = 64, dtype_bytes: int = 2, reference: bool = True,
@@ -112,7 +104,4 @@ def memory_estimate(variant: str = "medium", lora_rank: int | None = 64, dtype_b
     c = dict(components or full_size_components(variant))
     if not use_t5:
         c.pop("text_encoder_3")
-    counts = {name: checkpoint_numel(module) for name, module in c.items()}
-    trainable = trainable_numel([c[name] for name in TRAINED], SD35Model.default_lora_targets, lora_rank)
-    copies = sum(counts[name] for name in TRAINED) if reference and not lora_rank else 0
-    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)
+    return pipeline_training_bytes(c, TRAINED, SD35Model.default_lora_targets, lora_rank, dtype_bytes, reference)

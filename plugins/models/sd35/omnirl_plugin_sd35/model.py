@@ -16,10 +16,10 @@ import torch
 from pydantic import Field
 
 from omnirl_core.config import ModelSection
-from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import (
     DiffusersFlowModel,
     DiffusersModelOptions,
+    check_checkpoint_layout,
     create_flow_model,
     load_diffusers_pipeline,
 )
@@ -87,13 +87,10 @@ def load_pipeline(path: str, dtype: torch.dtype, use_t5: bool = True):
 
 def check_layout(pipeline: Any, layout: str, path: str) -> None:
     """Medium has MMDiT-X blocks (dual attention layers), Large has none; the options must say which."""
-    dual = bool(pipeline.transformer.config.dual_attention_layers)
-    if dual != (layout == "medium"):
-        found = "medium (MMDiT-X, dual attention layers)" if dual else "large (MMDiT, no dual attention)"
-        raise UsageError(
-            f"The SD3.5 checkpoint at '{path}' has the {found} layout, but model.options.layout is '{layout}'.",
-            hint=f"Set model.options.layout={'medium' if dual else 'large'}.",
-        )
+    if pipeline.transformer.config.dual_attention_layers:
+        check_checkpoint_layout("SD3.5", path, layout, "medium", "MMDiT-X, dual attention layers")
+    else:
+        check_checkpoint_layout("SD3.5", path, layout, "large", "MMDiT, no dual attention")
 
 
 def create_model(section: ModelSection, options: SD35Options | None, device: Any) -> SD35Model:

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan.activations import DenoiserProbe, meta_cast
-from omnirl_core.plan.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype, vae_decoder
-from omnirl_core.plan.sizing import checkpoint_numel, trainable_numel
+from omnirl_core.plan import model as plan
+from omnirl_core.plan.activations import DenoiserProbe
 from omnirl_plugin_sd35.full_size import TRANSFORMERS, VAE, full_size_components
 
 VAE_SCALE = 8
@@ -31,16 +30,15 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
 
     layout = getattr(options, "layout", "medium")
     arch = TRANSFORMERS[layout]
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     h, w = config.rollout.height // VAE_SCALE, config.rollout.width // VAE_SCALE
     text = CLIP_TOKENS + getattr(options, "max_sequence_length", 256)
-    _, targets = lora_settings(config, SD35Model.default_lora_targets)
+    _, targets = plan.lora_settings(config, SD35Model.default_lora_targets)
 
     def build(layers: int) -> torch.nn.Module:
         dual = tuple(i for i in arch["dual_attention_layers"] if i < layers)
-        with torch.device("meta"):
-            return meta_cast(SD3Transformer2DModel(**{**arch, "num_layers": layers, "dual_attention_layers": dual}),
-                             dtype)
+        shape = {**arch, "num_layers": layers, "dual_attention_layers": dual}
+        return plan.on_meta(lambda: SD3Transformer2DModel(**shape), dtype)
 
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
@@ -56,35 +54,22 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
                          key=("sd3.5", layout, str(dtype), h, w, text, targets))
 
 
-def decoder(config: Any) -> DecoderProbe:
+def decoder(config: Any) -> plan.DecoderProbe:
     from diffusers import AutoencoderKL
 
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     h, w = config.rollout.height // VAE_SCALE, config.rollout.width // VAE_SCALE
-
-    def build() -> torch.nn.Module:
-        with torch.device("meta"):
-            return meta_cast(AutoencoderKL(**VAE), dtype)
-
-    return vae_decoder(build, (VAE["latent_channels"], h, w), dtype, key=("sd3.5", str(dtype), h, w))
+    return plan.vae_decoder(lambda: plan.on_meta(lambda: AutoencoderKL(**VAE), dtype), (VAE["latent_channels"], h, w),
+                            dtype, key=("sd3.5", str(dtype), h, w))
 
 
-def sizing(config: Any, options: Any) -> ModelSizing:
+def sizing(config: Any, options: Any) -> plan.ModelSizing:
     from omnirl_plugin_sd35.model import SD35Model
 
-    layout = getattr(options, "layout", "medium")
-    components = dict(_components(layout))
+    components = dict(_components(getattr(options, "layout", "medium")))
     if not getattr(options, "use_t5", True):
         components.pop("text_encoder_3")
-    rank, targets = lora_settings(config, SD35Model.default_lora_targets)
-    transformer = components["transformer"]
-    return ModelSizing(
-        components={name: checkpoint_numel(m) for name, m in components.items()},
-        trained=("transformer",),
-        trainable=trainable_numel([transformer], targets, rank),
-        lora=rank is not None,
-        encoders=tuple(n for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae") if n in components),
-        probe=probe(config, options),
-        decoder=decoder(config),
-        largest_block=max(checkpoint_numel(b) for b in transformer.transformer_blocks),
-    )
+    return plan.pipeline_sizing(config, components, ("transformer",), SD35Model.default_lora_targets,
+                                components["transformer"].transformer_blocks,
+                                ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"),
+                                probe(config, options), decoder(config))

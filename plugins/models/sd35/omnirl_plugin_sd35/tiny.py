@@ -44,35 +44,16 @@ def build_tiny_pipeline(layout: str = "medium", seed: int = 0):
     tokenizer, tokenizer_3 = clip_tokenizer(), t5_tokenizer()
     torch.manual_seed(seed)
     transformer = SD3Transformer2DModel(
-        sample_size=32,
-        patch_size=2,
-        in_channels=16,
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        joint_attention_dim=T5_DIM,
-        caption_projection_dim=32,
-        pooled_projection_dim=2 * CLIP_DIM,
-        pos_embed_max_size=32,
-        qk_norm="rms_norm",
-        dual_attention_layers=(0,) if layout == "medium" else (),
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=4, joint_attention_dim=T5_DIM, caption_projection_dim=32, pooled_projection_dim=2 * CLIP_DIM,
+        pos_embed_max_size=32, qk_norm="rms_norm", dual_attention_layers=(0,) if layout == "medium" else (),
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 32),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
+        latent_channels=16, norm_num_groups=8, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+        shift_factor=0.0609, scaling_factor=1.5035,
     )
     widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out, (2, 16, 4, 4))
     text_encoder_3 = tiny_t5_encoder(tokenizer_3, d_model=T5_DIM, d_kv=16, d_ff=64, seed=seed + 2)
@@ -91,6 +72,6 @@ def build_tiny_pipeline(layout: str = "medium", seed: int = 0):
 
 def save_tiny(directory: str | Path, layout: str = "medium", seed: int = 0) -> Path:
     """Build the tiny preset and save it in the diffusers layout (``model_index.json`` + components)."""
-    directory = Path(directory)
-    build_tiny_pipeline(layout, seed).save_pretrained(str(directory), safe_serialization=True)
-    return directory
+    from omnirl_core.flow.model import save_pipeline
+
+    return save_pipeline(build_tiny_pipeline(layout, seed), directory)

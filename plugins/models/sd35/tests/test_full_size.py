@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 from omnirl_plugin_sd35.full_size import PUBLISHED, VARIANTS, full_size_components, parameter_counts
 
-from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
+from omnirl_core import testing
 
 
 @pytest.fixture(scope="module")
 def built():
-    return build_on_meta(full_size_components, VARIANTS)
+    return testing.build_on_meta(full_size_components, VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built, variant: str):
     assert set(built[variant][0]) == {"transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae"}
-    check_on_meta(*built[variant])  # Large in fp32 would be 54 GB
+    testing.check_on_meta(*built[variant])  # Large in fp32 would be 54 GB
 
 
 def test_the_layouts_are_the_released_ones(built):
@@ -32,10 +32,8 @@ def test_the_layouts_are_the_released_ones(built):
 
 @pytest.mark.parametrize(("variant", "component"), list(PUBLISHED))
 def test_parameter_count_matches_the_published_figure(built, variant: str, component: str):
-    count = parameter_counts(variant, built[variant][0])[component]
-    published = PUBLISHED[variant, component]
-    assert matches_published(count, published), (
-        f"{variant} {component}: {count:,} vs published {published.value:,.0f} ({published.source})")
+    testing.check_matches_published(parameter_counts(variant, built[variant][0])[component],
+                                    PUBLISHED[variant, component], f"{variant} {component}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -44,17 +42,12 @@ def test_lora_count_is_what_peft_adds(variant: str):
     from diffusers import SD3Transformer2DModel
     from omnirl_plugin_sd35.full_size import TRANSFORMERS
     from omnirl_plugin_sd35.model import SD35Model
-    from peft import LoraConfig
-
-    from omnirl_core.plan.sizing import lora_numel
 
     config = {**TRANSFORMERS[variant], "num_layers": 3}  # full width, three blocks (Medium: two MMDiT-X blocks)
     config["dual_attention_layers"] = config["dual_attention_layers"][:2]
     with torch.device("meta"):
         transformer = SD3Transformer2DModel(**config)
-    expected = lora_numel(transformer, SD35Model.default_lora_targets, 8)
-    transformer.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=list(SD35Model.default_lora_targets)))
-    assert expected == sum(p.numel() for name, p in transformer.named_parameters() if "lora_" in name) > 0
+    testing.check_lora_numel(transformer, SD35Model.default_lora_targets)
 
 
 def test_memory_estimate(built):

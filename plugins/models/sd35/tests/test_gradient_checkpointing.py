@@ -1,10 +1,7 @@
-"""Gradient checkpointing on the tiny presets: the same loss and gradients with and without it (both layouts),
-and fewer activations kept for the backward pass at a larger resolution.
-
-Memory on CPU: torch has no CPU allocator statistics, so the test measures what checkpointing changes, the
-tensors the forward pass keeps alive for the backward pass (those autograd saves outside checkpointed regions,
-plus every block's inputs, which a checkpoint keeps to recompute the block), parameters excluded, each storage
-once. On a GPU the ``gpu`` test compares ``torch.cuda.max_memory_allocated``."""
+"""Gradient checkpointing on the tiny presets (``omnirl_core.testing``'s checks): the same loss and gradients
+with and without it (both layouts), and fewer activations kept for the backward pass at a larger resolution (CPU
+torch has no allocator statistics: ``kept_for_backward_bytes``); on a GPU, a lower
+``torch.cuda.max_memory_allocated``."""
 
 from __future__ import annotations
 
@@ -15,92 +12,37 @@ import torch
 from omnirl_plugin_sd35.model import SD35Options, create_model
 from omnirl_plugin_sd35.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection
-from omnirl_core.flow.sampler import step_mean, transition_logprob
-from omnirl_core.testing import kept_for_backward_bytes
+from omnirl_core import testing
+from omnirl_core.config import ModelSection
 
 LAYOUTS = ("medium", "large")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict:
-    out = {}
-    for layout in LAYOUTS:
-        path = save_tiny(tmp_path_factory.mktemp(f"sd35-{layout}"), layout=layout, seed=3)
-        for checkpointing in (False, True):
-            out[layout, checkpointing] = _model(path, layout, checkpointing)
-    return out
-
-
 def _model(path: Path, layout: str, checkpointing: bool, device: str = "cpu"):
     options = SD35Options(layout=layout, max_sequence_length=16, gradient_checkpointing=checkpointing)
-    model = create_model(ModelSection(name="sd3.5", preset="tiny", path=str(path)), options, device)
-    model.setup_training(LoraConfig(enabled=True, rank=4, alpha=4), need_reference=False)
-    assert model.denoiser.gradient_checkpointing == checkpointing
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # the same non-zero adapter in both models, so that every LoRA matrix gets a gradient
-        for p in model.trainable_parameters():
-            p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model
+    return testing.with_same_adapter(
+        create_model(ModelSection(name="sd3.5", preset="tiny", path=str(path)), options, device))
 
 
-def _loss(model, size: int) -> torch.Tensor:
-    """The Flow-SDE log-prob of a fixed transition under the model: what every policy-gradient loss is made of."""
-    generator = torch.Generator().manual_seed(1)
-    shape = (2, *model.latent_shape(size, size))
-    x, x_next = (torch.randn(shape, generator=generator).to(model.device) for _ in range(2))
-    s, s_next = torch.tensor([0.9, 0.5], device=model.device), torch.tensor([0.8, 0.4], device=model.device)
-    v = model.velocity(x, s, model.encode(["a red square", "a blue car, photo"]))
-    mean, std = step_mean("sde", x, v, s, s_next, 0.7)
-    return -transition_logprob("sde", x_next, mean, std).mean()
-
-
-def _kept_bytes(model, run) -> int:
-    """Bytes the forward pass keeps for the backward pass (see the module docstring)."""
-    return kept_for_backward_bytes([model.denoiser], model.denoiser.transformer_blocks, run)
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    paths = {layout: save_tiny(tmp_path_factory.mktemp(f"sd35-{layout}"), layout=layout, seed=3) for layout in LAYOUTS}
+    return {(layout, c): _model(paths[layout], layout, c) for layout in LAYOUTS for c in (False, True)}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_checkpointing_gives_the_same_loss_and_gradients(models, layout: str):
-    results = []
-    for checkpointing in (False, True):
-        model = models[layout, checkpointing]
-        model.denoiser.zero_grad(set_to_none=True)
-        loss = _loss(model, 32)
-        loss.backward()
-        # the last block is context_pre_only (its prompt stream is not computed): no gradient for adapters there
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.denoiser.named_parameters()
-                                        if p.requires_grad and p.grad is not None}))
-        trainable = len(model.trainable_parameters())
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=1e-5)
-    assert grads_a.keys() == grads_b.keys()
-    assert sum(bool(g.abs().sum() > 0) for g in grads_a.values()) >= 0.75 * trainable
-    for name, a in grads_a.items():
-        torch.testing.assert_close(grads_b[name], a, rtol=1e-5, atol=1e-5, msg=name)
+    # the last block is context_pre_only (its prompt stream is not computed): no gradient for adapters there
+    testing.check_checkpointed_gradients(models[layout, False], models[layout, True], 32)
 
 
 def test_checkpointing_keeps_far_fewer_activations_for_the_backward_pass(models):
-    kept = {}
-    for checkpointing in (False, True):
-        model = models["medium", checkpointing]
-        kept[checkpointing] = _kept_bytes(model, lambda m=model: _loss(m, 128).backward())
-    assert kept[True] < 0.5 * kept[False], kept
+    testing.check_checkpointing_keeps_fewer_activations(models["medium", False], models["medium", True],
+                                                        lambda m: m.denoiser.transformer_blocks, 128)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_checkpointing_lowers_peak_gpu_memory(tmp_path: Path):
     path = save_tiny(tmp_path / "medium", layout="medium", seed=3)
-    peaks = {}
-    for checkpointing in (False, True):
-        model = _model(path, "medium", checkpointing, device="cuda")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        _loss(model, 256).backward()
-        torch.cuda.synchronize()
-        peaks[checkpointing] = torch.cuda.max_memory_allocated() - base
-        del model
-        torch.cuda.empty_cache()
-    assert peaks[True] < peaks[False], peaks
+    testing.check_checkpointing_lowers_peak_gpu_memory(lambda c: _model(path, "medium", c, device="cuda"), 256)

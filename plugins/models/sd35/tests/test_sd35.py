@@ -5,8 +5,6 @@ encoding, clear errors, and the real CLI end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,9 @@ import torch
 from omnirl_plugin_sd35.model import SD35Options, create_model, load_pipeline
 from omnirl_plugin_sd35.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core import testing
+from omnirl_core.config import ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.testing import (
-    check_flow_model,
-    check_logprob_consistency,
-    check_lora_roundtrip,
-    offline_error,
-)
 
 LAYOUTS = ("medium", "large")
 SIZE = 32
@@ -34,9 +27,8 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 def _model(path: Path, layout: str = "medium", lora: bool = True, **options):
     opts = SD35Options(layout=layout, max_sequence_length=16, **options)
-    model = create_model(ModelSection(name="sd3.5", preset="tiny", path=str(path)), opts, "cpu")
-    model.setup_training(LoraConfig(enabled=lora, rank=4, alpha=4), need_reference=True)
-    return model
+    return testing.trainable(create_model(ModelSection(name="sd3.5", preset="tiny", path=str(path)), opts, "cpu"),
+                             lora)
 
 
 def _render(pipe, steps: int = 2):
@@ -72,7 +64,7 @@ def test_without_t5_the_encoder_is_not_loaded_and_its_embedding_part_is_zero(tin
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flow_model_contract(tiny_dirs, layout: str):
-    check_flow_model(_model(tiny_dirs[layout], layout), height=SIZE, width=SIZE)
+    testing.check_flow_model(_model(tiny_dirs[layout], layout), height=SIZE, width=SIZE)
 
 
 def test_velocity_matches_the_pipelines_own_denoising(tiny_dirs):
@@ -97,7 +89,7 @@ def test_velocity_matches_the_pipelines_own_denoising(tiny_dirs):
 
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
 def test_trainer_reevaluation_equals_rollout_logprob(tiny_dirs, guidance: float):
-    check_logprob_consistency(_model(tiny_dirs["medium"]), SIZE, SIZE, guidance_scale=guidance)
+    testing.check_logprob_consistency(_model(tiny_dirs["medium"]), SIZE, SIZE, guidance_scale=guidance)
 
 
 def test_lora_checkpoint_loads_into_a_diffusers_pipeline(tiny_dirs, tmp_path: Path):
@@ -105,8 +97,9 @@ def test_lora_checkpoint_loads_into_a_diffusers_pipeline(tiny_dirs, tmp_path: Pa
     names = {n for n, p in model.denoiser.named_parameters() if p.requires_grad}
     assert any(".attn2." in n for n in names)  # MMDiT-X's second attention is adapted too
     assert any("ff_context" in n for n in names) and any("add_q_proj" in n for n in names)
-    check_lora_roundtrip(model, tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dirs["medium"]), torch.float32),
-                         lambda pipe: _render(pipe, steps=3))
+    testing.check_lora_roundtrip(model, tmp_path / "ckpt",
+                                 lambda: load_pipeline(str(tiny_dirs["medium"]), torch.float32),
+                                 lambda pipe: _render(pipe, steps=3))
 
 
 def test_encode_images_inverts_decode_shape_and_is_deterministic(tiny_dirs):
@@ -131,37 +124,23 @@ def test_layout_mismatch_and_bad_sizes_are_clear_errors(tiny_dirs, tmp_path: Pat
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    text = offline_error("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline",
-                         "load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)")
+    text = testing.offline_error("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline",
+                                 "load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)")
     assert "Could not load SD3.5 from 'stabilityai/stable-diffusion-3.5-medium'" in text and "--preset tiny" in text
 
 
 def test_importing_the_plugin_is_cheap():
-    code = "import sys, omnirl_plugin_sd35; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
-def _installed_algorithms() -> set[str]:
-    exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
-    return {a["name"] for a in json.loads(out.stdout)}
+    testing.check_import_is_cheap("omnirl_plugin_sd35")
 
 
 @pytest.mark.parametrize("algo,layout", [("flowgrpo", "medium"), ("dpo", "medium"), ("flowgrpo", "large")])
 def test_cli_trains_the_tiny_preset(tmp_path: Path, algo: str, layout: str):
-    if algo not in _installed_algorithms():
+    if algo not in testing.installed_algorithms():
         pytest.skip(f"algorithm plugin '{algo}' is not installed")
-    exe = Path(sys.executable).with_name("omnirl")
     run = tmp_path / "run"
-    result = subprocess.run(
-        [str(exe), "train", "--model", "sd3.5", "--algo", algo, "--preset", "tiny", "--steps", "2",
-         "-o", str(run), "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-         "--set", f"model.options.layout={layout}"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = testing.run_train(run, "--model", "sd3.5", "--algo", algo, "--preset", "tiny", "--steps", "2",
+                                "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+                                "--set", f"model.options.layout={layout}")
     assert [r["step"] for r in records] == [1, 2]
     assert 0.0 < records[0]["reward/color"] < 1.0
     if algo == "flowgrpo":

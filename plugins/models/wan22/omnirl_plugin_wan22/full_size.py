@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel, trainable_numel, training_bytes
+from omnirl_core.plan.sizing import Published, check_variant, component_counts, pipeline_training_bytes
 
 VARIANTS = ("a14b", "ti2v-5b")
 
@@ -57,17 +57,12 @@ PUBLISHED: dict[tuple[str, str], Published] = {
 }
 
 
-def _check(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown Wan2.2 variant {variant!r}; expected one of {VARIANTS}")
-
-
 def full_size_components(variant: str = "a14b") -> dict[str, torch.nn.Module]:
     """The pipeline's modules by component name, on ``meta`` (no storage): seconds, no memory."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    _check(variant)
+    check_variant("Wan2.2", variant, VARIANTS)
     with torch.device("meta"):
         components = {"transformer": WanTransformer3DModel(**TRANSFORMERS[variant])}
         if variant == "a14b":
@@ -79,15 +74,12 @@ def full_size_components(variant: str = "a14b") -> dict[str, torch.nn.Module]:
 
 def parameter_counts(variant: str = "a14b", components: dict[str, torch.nn.Module] | None = None) -> dict[str, int]:
     """Counts per component. ``components``: those ``full_size_components`` built (built here when None)."""
-    c = components or full_size_components(variant)
-    return {name: checkpoint_numel(module) for name, module in c.items()}
+    return component_counts(components or full_size_components(variant))
 
 
 # -- memory ----------------------------------------------------------------------------------------------------
 TRAINED = {"a14b": ("transformer", "transformer_2"), "ti2v-5b": ("transformer",)}
 """The components training updates by default (A14B: both experts, ``train_experts: both``)."""
-
-
 
 
 def memory_estimate(variant: str = "a14b", lora_rank: int | None = 64, dtype_bytes: int = 2, reference: bool = True,
@@ -103,9 +95,5 @@ def memory_estimate(variant: str = "a14b", lora_rank: int | None = 64, dtype_byt
     sums them."""
     from omnirl_plugin_wan22.model import Wan22Model
 
-    c = components or full_size_components(variant)
-    counts = {name: checkpoint_numel(module) for name, module in c.items()}
-    trained = trained or TRAINED[variant]
-    trainable = trainable_numel([c[name] for name in trained], Wan22Model.default_lora_targets, lora_rank)
-    copies = sum(counts[name] for name in trained) if reference and not lora_rank else 0
-    return training_bytes(counts, trainable, trainable if lora_rank else 0, copies, dtype_bytes)
+    return pipeline_training_bytes(components or full_size_components(variant), trained or TRAINED[variant],
+                                   Wan22Model.default_lora_targets, lora_rank, dtype_bytes, reference)

@@ -25,7 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.model import DenoiserModel, create_flow_model, guided_velocity, load_diffusers_pipeline
+from omnirl_core.flow.model import (
+    DenoiserModel,
+    check_checkpoint_layout,
+    create_flow_model,
+    guided_velocity,
+    load_diffusers_pipeline,
+)
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.runtime.weight_sync import cpu_copy
 
@@ -225,14 +231,8 @@ class Wan22Model(DenoiserModel):
         )[0]
         return out.float()
 
-    def velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float = 1.0,
-        uncond: Conditioning | None = None,
-    ) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
+                 uncond: Conditioning | None = None) -> torch.Tensor:
         x = latents.to(self.device, self.dtype)
         sigma = sigma.to(self.device)
         if guidance_scale > 1.0 and uncond is None:
@@ -359,13 +359,10 @@ def load_pipeline(path: str, dtype: torch.dtype):
 
 def check_layout(pipeline: Any, layout: str, path: str) -> None:
     """The checkpoint must have the layout the options name (two experts for a14b, one for ti2v-5b)."""
-    has_two = pipeline.transformer_2 is not None
-    if has_two != (layout == "a14b"):
-        found = "a14b (two expert transformers)" if has_two else "ti2v-5b (one transformer)"
-        raise UsageError(
-            f"The Wan2.2 checkpoint at '{path}' has the {found} layout, but model.options.layout is '{layout}'.",
-            hint=f"Set model.options.layout={'a14b' if has_two else 'ti2v-5b'}.",
-        )
+    if pipeline.transformer_2 is not None:
+        check_checkpoint_layout("Wan2.2", path, layout, "a14b", "two expert transformers")
+    else:
+        check_checkpoint_layout("Wan2.2", path, layout, "ti2v-5b", "one transformer")
 
 
 def create_model(section: ModelSection, options: Wan22Options | None, device: Any) -> Wan22Model:

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan.activations import DenoiserProbe, meta_cast
-from omnirl_core.plan.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype, vae_decoder
-from omnirl_core.plan.sizing import checkpoint_numel, trainable_numel
+from omnirl_core.plan import model as plan
+from omnirl_core.plan.activations import DenoiserProbe
 from omnirl_plugin_wan22.full_size import TEXT_ENCODER, TRANSFORMERS, VAES, full_size_components
 
 # (spatial, temporal) VAE compression of each layout's VAE
@@ -37,15 +36,14 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
 
     layout = getattr(options, "layout", "a14b")
     arch = TRANSFORMERS[layout]
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     frames, h, w = _latent(config, layout)
     tokens = frames * (h // 2) * (w // 2)
     text = getattr(options, "max_sequence_length", 512)
-    _, targets = lora_settings(config, Wan22Model.default_lora_targets)
+    _, targets = plan.lora_settings(config, Wan22Model.default_lora_targets)
 
     def build(layers: int) -> torch.nn.Module:
-        with torch.device("meta"):
-            return meta_cast(WanTransformer3DModel(**{**arch, "num_layers": layers}), dtype)
+        return plan.on_meta(lambda: WanTransformer3DModel(**{**arch, "num_layers": layers}), dtype)
 
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
@@ -59,35 +57,23 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
                          lora_targets=targets, key=("wan2.2", layout, str(dtype), frames, h, w, text, targets))
 
 
-def decoder(config: Any, options: Any) -> DecoderProbe:
+def decoder(config: Any, options: Any) -> plan.DecoderProbe:
     from diffusers import AutoencoderKLWan
 
     layout = getattr(options, "layout", "a14b")
-    dtype = torch_dtype(config)
+    dtype = plan.torch_dtype(config)
     frames, h, w = _latent(config, layout)
-
-    def build() -> torch.nn.Module:
-        with torch.device("meta"):
-            return meta_cast(AutoencoderKLWan(**VAES[layout]), dtype)
-
-    return vae_decoder(build, (VAES[layout]["z_dim"], frames, h, w), dtype,
-                       key=("wan2.2", layout, str(dtype), frames, h, w))
+    return plan.vae_decoder(lambda: plan.on_meta(lambda: AutoencoderKLWan(**VAES[layout]), dtype),
+                            (VAES[layout]["z_dim"], frames, h, w), dtype,
+                            key=("wan2.2", layout, str(dtype), frames, h, w))
 
 
-def sizing(config: Any, options: Any) -> ModelSizing:
+def sizing(config: Any, options: Any) -> plan.ModelSizing:
     from omnirl_plugin_wan22.model import Wan22Model
 
     layout = getattr(options, "layout", "a14b")
     components = _components(layout)
     trained = EXPERTS[getattr(options, "train_experts", "both")] if layout == "a14b" else ("transformer",)
-    rank, targets = lora_settings(config, Wan22Model.default_lora_targets)
-    return ModelSizing(
-        components={name: checkpoint_numel(m) for name, m in components.items()},
-        trained=trained,
-        trainable=trainable_numel([components[n] for n in trained], targets, rank),
-        lora=rank is not None,
-        encoders=("text_encoder", "vae"),
-        probe=probe(config, options),
-        decoder=decoder(config, options),
-        largest_block=max(checkpoint_numel(b) for b in components["transformer"].blocks),
-    )
+    return plan.pipeline_sizing(config, components, trained, Wan22Model.default_lora_targets,
+                                components["transformer"].blocks, ("text_encoder", "vae"),
+                                probe(config, options), decoder(config, options))

@@ -92,6 +92,6 @@ def build_tiny_pipeline(layout: str = "a14b", seed: int = 0):
 
 def save_tiny(directory: str | Path, layout: str = "a14b", seed: int = 0) -> Path:
     """Build the tiny preset and save it in the diffusers layout (``model_index.json`` + components)."""
-    directory = Path(directory)
-    build_tiny_pipeline(layout, seed).save_pretrained(str(directory), safe_serialization=True)
-    return directory
+    from omnirl_core.flow.model import save_pipeline
+
+    return save_pipeline(build_tiny_pipeline(layout, seed), directory)

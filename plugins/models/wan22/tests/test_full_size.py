@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 from omnirl_plugin_wan22.full_size import PUBLISHED, VARIANTS, full_size_components, parameter_counts
 
-from omnirl_core.testing import build_on_meta, check_on_meta, matches_published
+from omnirl_core import testing
 
 
 @pytest.fixture(scope="module")
 def built():
-    return build_on_meta(full_size_components, VARIANTS)
+    return testing.build_on_meta(full_size_components, VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_full_size_is_built_on_meta_in_seconds_without_memory(built, variant: str):
     expected = {"transformer", "vae", "text_encoder"} | ({"transformer_2"} if variant == "a14b" else set())
     assert set(built[variant][0]) == expected
-    check_on_meta(*built[variant])  # A14B in fp32 would be 137 GB
+    testing.check_on_meta(*built[variant])  # A14B in fp32 would be 137 GB
 
 
 def test_a14b_experts_have_the_same_shape_and_the_released_width(built):
@@ -34,10 +34,8 @@ def test_a14b_experts_have_the_same_shape_and_the_released_width(built):
 
 @pytest.mark.parametrize(("variant", "component"), list(PUBLISHED))
 def test_parameter_count_matches_the_published_figure(built, variant: str, component: str):
-    count = parameter_counts(variant, built[variant][0])[component]
-    published = PUBLISHED[variant, component]
-    assert matches_published(count, published), (
-        f"{variant} {component}: {count:,} vs published {published.value:,.0f} ({published.source})")
+    testing.check_matches_published(parameter_counts(variant, built[variant][0])[component],
+                                    PUBLISHED[variant, component], f"{variant} {component}")
 
 
 def test_unknown_variant_is_refused():
@@ -50,15 +48,10 @@ def test_lora_count_is_what_peft_adds():
     from diffusers import WanTransformer3DModel
     from omnirl_plugin_wan22.full_size import TRANSFORMERS
     from omnirl_plugin_wan22.model import Wan22Model
-    from peft import LoraConfig
-
-    from omnirl_core.plan.sizing import lora_numel
 
     with torch.device("meta"):  # full width, two blocks: peft on meta is quick at this depth
         transformer = WanTransformer3DModel(**{**TRANSFORMERS["a14b"], "num_layers": 2})
-    expected = lora_numel(transformer, Wan22Model.default_lora_targets, 8)
-    transformer.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=list(Wan22Model.default_lora_targets)))
-    assert expected == sum(p.numel() for name, p in transformer.named_parameters() if "lora_" in name) > 0
+    testing.check_lora_numel(transformer, Wan22Model.default_lora_targets)
 
 
 def test_memory_estimate(built):

@@ -5,8 +5,6 @@ reads, clear errors, and the real CLI end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,9 @@ import torch
 from omnirl_plugin_wan22.model import LORA_FILES, Wan22Options, create_model, load_pipeline
 from omnirl_plugin_wan22.tiny import save_tiny
 
-from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core import testing
+from omnirl_core.config import ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.testing import (
-    check_flow_model,
-    check_logprob_consistency,
-    check_lora_roundtrip,
-    offline_error,
-)
 
 LAYOUTS = ("a14b", "ti2v-5b")
 SIZE, FRAMES = 16, 5
@@ -34,9 +27,8 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 def _model(path: Path, layout: str, lora: bool = True, **options):
     opts = Wan22Options(layout=layout, max_sequence_length=16, **options)
-    model = create_model(ModelSection(name="wan2.2", preset="tiny", path=str(path)), opts, "cpu")
-    model.setup_training(LoraConfig(enabled=lora, rank=4, alpha=4), need_reference=True)
-    return model
+    return testing.trainable(create_model(ModelSection(name="wan2.2", preset="tiny", path=str(path)), opts, "cpu"),
+                             lora)
 
 
 def _render(pipe, steps: int = 2):
@@ -64,7 +56,7 @@ def test_tiny_preset_saves_and_reloads_through_from_pretrained(tiny_dirs, layout
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_flow_model_contract(tiny_dirs, layout: str):
     model = _model(tiny_dirs[layout], layout)
-    check_flow_model(model, height=SIZE, width=SIZE, num_frames=FRAMES)
+    testing.check_flow_model(model, height=SIZE, width=SIZE, num_frames=FRAMES)
     shape = model.latent_shape(SIZE, SIZE, FRAMES)
     assert len(shape) == 4 and shape[0] == model.z_dim  # (C, T, H, W)
     assert model.decode(torch.randn(2, *shape)).shape == (2, 3, FRAMES, SIZE, SIZE)
@@ -134,7 +126,7 @@ def test_trainer_reevaluation_equals_rollout_logprob(tiny_dirs, layout: str, gui
     sigmas = model.sigmas(6, model.latent_shape(SIZE, SIZE, FRAMES))[:-2]
     if layout == "a14b":  # the trained steps span both experts
         assert (sigmas >= 0.875).any() and (sigmas < 0.875).any(), sigmas
-    check_logprob_consistency(model, SIZE, SIZE, FRAMES, guidance_scale=guidance, steps=6)
+    testing.check_logprob_consistency(model, SIZE, SIZE, FRAMES, guidance_scale=guidance, steps=6)
 
 
 def test_low_noise_guidance_scale_applies_to_the_low_noise_expert_only(tiny_dirs):
@@ -166,8 +158,8 @@ def test_a14b_lora_of_both_experts_loads_into_a_wan_pipeline(tiny_dirs, tmp_path
         pipe.load_lora_weights(str(directory), weight_name=LORA_FILES["transformer_2"], load_into_transformer_2=True)
 
     model = _model(tiny_dirs["a14b"], "a14b")
-    check_lora_roundtrip(model, tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dirs["a14b"]), torch.float32),
-                         lambda pipe: _render(pipe, steps=4), load_both)
+    testing.check_lora_roundtrip(model, tmp_path / "ckpt", lambda: load_pipeline(str(tiny_dirs["a14b"]), torch.float32),
+                                 lambda pipe: _render(pipe, steps=4), load_both)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted(LORA_FILES.values())
 
 
@@ -237,39 +229,25 @@ def test_video_rewards_resolve_and_image_only_rewards_are_refused():
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    text = offline_error("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline",
-                         "load_pipeline('Wan-AI/Wan2.2-T2V-A14B-Diffusers', torch.float32)")
+    text = testing.offline_error("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline",
+                                 "load_pipeline('Wan-AI/Wan2.2-T2V-A14B-Diffusers', torch.float32)")
     assert "Could not load Wan2.2 from 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'" in text and "--preset tiny" in text
 
 
 def test_importing_the_plugin_is_cheap():
-    code = "import sys, omnirl_plugin_wan22; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
-
-
-def _installed_algorithms() -> set[str]:
-    exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
-    return {a["name"] for a in json.loads(out.stdout)}
+    testing.check_import_is_cheap("omnirl_plugin_wan22")
 
 
 @pytest.mark.parametrize("algo,layout", [("flowgrpo", "a14b"), ("dancegrpo", "a14b"), ("flowgrpo", "ti2v-5b")])
 def test_cli_trains_the_tiny_preset(tmp_path: Path, algo: str, layout: str):
     """The real CLI end to end on video: rollout, colour reward on every frame, update, LoRA checkpoint,
     frame-strip PNG and animated GIF samples; the first update sees the rollout's own log-probs."""
-    if algo not in _installed_algorithms():
+    if algo not in testing.installed_algorithms():
         pytest.skip(f"algorithm plugin '{algo}' is not installed")
-    exe = Path(sys.executable).with_name("omnirl")
     run = tmp_path / "run"
-    result = subprocess.run(
-        [str(exe), "train", "--model", "wan2.2", "--algo", algo, "--preset", "tiny", "--steps", "2",
-         "-o", str(run), "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-         "--set", f"model.options.layout={layout}", "--set", "run.sample_every=2"],
-        capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = testing.run_train(run, "--model", "wan2.2", "--algo", algo, "--preset", "tiny", "--steps", "2",
+                                "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+                                "--set", f"model.options.layout={layout}", "--set", "run.sample_every=2")
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["logprob/abs_delta_max"] <= 1e-5
     assert 0.0 < records[0]["reward/color"] < 1.0
