@@ -115,6 +115,12 @@ def main() -> None:
                         help="its options (repeatable; default: preset=tiny, device=cpu)")
     parser.add_argument("--learned-workers", type=int, default=2, help="reward threads (concurrent requests) "
                         "for the served reward")
+    parser.add_argument("--learned-clip", default=None, metavar="WIDTHxLAYERS@SIZE",
+                        help="serve a random-weight CLIP of this size (e.g. 256x6@224) through the reward's real "
+                        "loading path instead of its tiny preset, so that scoring costs about what a rollout does")
+    parser.add_argument("--learned-rollout-threads", type=int, default=None,
+                        help="run.rollout_threads for scenario (c): the cores the rollout leaves to the server "
+                        "on the same machine")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
@@ -184,12 +190,35 @@ def run_ocr(args, tmp: Path, workers: int, result: dict) -> None:
     }
 
 
+def random_clip(directory: Path, spec: str) -> Path:
+    """A random-weight CLIPModel + processor of ``WIDTHxLAYERS@SIZE`` (patch 16, heads width / 64) saved with
+    ``save_pretrained``: loaded by the reward through the same path as a released checkpoint."""
+    import torch
+    from transformers import CLIPModel
+
+    from omnirl_core.rewards_kit.tiny_clip import clip_bpe_tokenizer, tiny_clip_config, tiny_processor
+
+    shape, size = spec.split("@")
+    width, layers = (int(x) for x in shape.split("x"))
+    torch.manual_seed(0)
+    tokenizer = clip_bpe_tokenizer()
+    config = tiny_clip_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id, "gelu",
+                              image_size=int(size), patch_size=16, width=width, layers=layers,
+                              heads=max(1, width // 64), projection_dim=width)
+    CLIPModel(config).save_pretrained(str(directory))
+    tiny_processor(tokenizer, int(size)).save_pretrained(str(directory))
+    return directory
+
+
 def run_learned(args, tmp: Path, result: dict) -> None:
     import os
 
     from omnirl_core.runtime.distributed import free_port
 
     options = args.learned_set or ["preset=tiny", "device=cpu"]
+    if args.learned_clip:
+        directory = random_clip(tmp / "clip", args.learned_clip)
+        options = [f"path={directory}", f"processor_path={directory}", "device=cpu"]
     port = free_port()
     exe = Path(sys.executable).with_name("omnirl")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch in the server: one intra-op thread
@@ -202,11 +231,15 @@ def run_learned(args, tmp: Path, result: dict) -> None:
                 raise RuntimeError(f"the reward server for {args.learned} did not start")
         t0 = time.perf_counter()
         reward = {"name": "remote", "options": {"url": f"http://127.0.0.1:{port}", "expect": args.learned}}
-        ctl = controller(tmp / "learned", workload(args, [reward], args.learned_workers))
+        config = workload(args, [reward], args.learned_workers)
+        if args.learned_rollout_threads is not None:
+            config["run"]["rollout_threads"] = args.learned_rollout_threads
+        ctl = controller(tmp / "learned", config)
         result["learned"] = {
             "note": f"{args.learned} ({', '.join(options)}) served by `omnirl reward serve` in another process "
                     "(1 torch thread), reached through the remote reward: a learned reward on its own worker.",
             "reward": args.learned, "options": options, "reward_workers": args.learned_workers,
+            "clip": args.learned_clip, "rollout_threads": args.learned_rollout_threads,
             **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
         }
     finally:
