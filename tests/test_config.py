@@ -75,3 +75,27 @@ def test_plugin_options_validate_with_did_you_mean_and_redact_secrets():
     assert "sk-secret" not in str(dumped) and dumped["api_key"] == "**********"
     with pytest.raises(ConfigError, match="takes no options"):
         validate_options({"x": 1}, None, "train.options")
+
+
+def test_suggested_rollout_options_follow_the_chosen_engine():
+    """The model's suggested options were written for its suggested engine (transformers): under another engine
+    the options it lacks are left out, the shared sampling ones kept; the user's own options are still checked."""
+    from omnirl_core.plugins import get_plugin_manager
+    from omnirl_core.resolve import resolve_run
+
+    manager = get_plugin_manager()
+    if "vllm" not in {s.name for s in manager.registries["engine"]}:
+        pytest.skip("the vllm engine plugin is not installed")
+    base = {"model": {"name": "qwen3-omni"}, "algorithm": {"name": "gspo"}, "run": {"device": "cpu"}}
+    plain = resolve_run(manager, [base], probe_device=False)
+    assert plain.options["rollout.options"].max_batch_size == 32  # the suggestion, on its own engine
+    other = resolve_run(manager, [deep_merge(base, {"rollout": {"engine": "vllm"}})], probe_device=False)
+    assert other.options["rollout.options"].max_new_tokens == 1024  # shared: kept
+    assert "max_batch_size" not in type(other.options["rollout.options"]).model_fields
+    tiny = resolve_run(manager, [deep_merge(base, {"model": {"preset": "tiny"}, "rollout": {"engine": "vllm"}})],
+                       probe_device=False)
+    assert tiny.options["rollout.options"].allowed_tokens == ["A", "B", "C", "D"]
+    with pytest.raises(ConfigError) as err:
+        resolve_run(manager, [deep_merge(base, {"rollout": {"engine": "vllm", "options": {"max_batch_size": 4}}})],
+                    probe_device=False)
+    assert "rollout.options.max_batch_size: unknown key" in err.value.render()

@@ -3,6 +3,7 @@ Nothing here touches a device or imports torch."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from omnirl_core.config import RunConfig, build_config, deep_merge, get_path, validate_options
-from omnirl_core.errors import ConfigError, PluginError
+from omnirl_core.errors import ConfigError, OmnirlError, PluginError
 from omnirl_core.plugins import PluginManager
 from omnirl_core.registry import AlgorithmSpec, DeviceSpec, EngineSpec, ModelSpec, RewardSpec
 
@@ -61,6 +62,36 @@ def _name_from(layers: list[dict[str, Any]], dotted: str) -> str | None:
     return None
 
 
+def _defaults_fit_the_engine(manager: PluginManager, defaults: dict[str, Any], layers: list[dict[str, Any]],
+                             merged: dict[str, Any]) -> dict[str, Any]:
+    """The model's and algorithm's suggested rollout options were written for their suggested engine. When the
+    user picks another rollout engine, the suggestions that engine has no option for are left out (e.g. the
+    transformers engine's ``max_batch_size`` under vLLM); those it shares (sampling settings) stay. The user's
+    own options are never filtered: a wrong one is still an error."""
+    def find(tree: dict[str, Any], dotted: str) -> Any:
+        try:
+            return get_path(tree, dotted)
+        except (KeyError, TypeError, IndexError):
+            return None
+
+    suggested = find(defaults, "rollout.engine")
+    chosen = find(merged, "rollout.engine")
+    options = find(defaults, "rollout.options")
+    if not suggested or not chosen or chosen == suggested or not isinstance(options, dict):
+        return merged
+    try:
+        config = manager.resolve("engine", chosen).load_config()
+    except (OmnirlError, ImportError, AttributeError):  # reported where the engine is resolved and validated
+        return merged
+    fields = set(config.model_fields) if config is not None else set()
+    kept = copy.deepcopy(defaults)
+    kept["rollout"]["options"] = {k: v for k, v in options.items() if k in fields}
+    out = kept
+    for layer in layers:
+        out = deep_merge(out, layer)
+    return out
+
+
 def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_device: bool = True) -> ResolvedRun:
     """``layers`` lowest first (recipe, flags, --set). Model and algorithm defaults slot in beneath them."""
     model_name = _name_from(layers, "model.name")
@@ -87,6 +118,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     merged = defaults
     for layer in layers:
         merged = deep_merge(merged, layer)
+    merged = _defaults_fit_the_engine(manager, defaults, layers, merged)
     config = build_config(merged)
 
     # capabilities: refuse an incompatible pair with what is missing and who has it

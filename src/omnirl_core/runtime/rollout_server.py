@@ -19,6 +19,7 @@ its traceback text.
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
@@ -35,7 +36,9 @@ import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.errors import OmnirlError, UsageError
 
@@ -234,6 +237,51 @@ class ServerProcess:
         self.close()
 
 
+class ServedEngineOptions(BaseModel):
+    """Options every engine that runs in a server process of its own environment has (vllm-omni, vllm)."""
+
+    model_config = ConfigDict(extra="forbid")
+    weight_sync: Literal["auto", "full", "none"] = Field(
+        "auto", description="How trained weights reach the engine before a rollout: 'auto' (with LoRA what the "
+        "adapter changes, else every trained weight), 'full' (every weight, a LoRA merged in), 'none' (never: "
+        "the engine keeps the weights it started with)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the engine runs: 'auto' follows the trainer's device; 'cpu' takes its CPU path "
+        "(tests, no GPU)."
+    )
+    start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for the engine to start.")
+    request_timeout_s: float = Field(3600.0, gt=0, description="Longest wait for one rollout call.")
+
+
+_SHARED: dict[tuple, ServerProcess] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_server(python: str | Path, module: str, args: list[str], env: dict[str, str], start_timeout_s: float,
+                  name: str) -> ServerProcess:
+    """One server per (interpreter, module, arguments, environment) per process, started on first use and kept
+    until the process exits: engine objects that ask for the same engine share one start (minutes for vLLM
+    on a small CPU); a server that died is started again."""
+    key = (str(python), module, tuple(args), tuple(sorted(env.items())))
+    with _SHARED_LOCK:
+        server = _SHARED.get(key)
+        if server is None or server.proc.poll() is not None:
+            server = ServerProcess(python, module, args, env=env, start_timeout_s=start_timeout_s, name=name)
+            _SHARED[key] = server
+        return server
+
+
+def close_shared_servers() -> None:
+    with _SHARED_LOCK:
+        for server in _SHARED.values():
+            server.close()
+        _SHARED.clear()
+
+
+atexit.register(close_shared_servers)
+
+
 def server_args(argv: list[str] | None = None) -> dict[str, Any]:
     """``--key value`` pairs of a server's command line as a dict of JSON values (strings otherwise)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -248,3 +296,70 @@ def server_args(argv: list[str] | None = None) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key[2:].replace("-", "_")] = raw
     return out
+
+
+class ServedRolloutEngine:
+    """Base of rollout engines that run in a server process of their own environment (vllm-omni, vllm): the
+    device choice, the environment's interpreter, one shared server, and weight sync when the trained weights
+    changed (torch's in-place version counters of the trainable parameters). A subclass sets ``name``,
+    ``server_module`` and ``fallback`` (the in-process engine to suggest), calls ``start_served`` with its
+    environment and server arguments, and implements ``push_weights``."""
+
+    name = "served"
+    server_module = ""
+    fallback = ""
+
+    def start_served(self, model: Any, options: ServedEngineOptions, device: Any, environment: str) -> None:
+        from omnirl_core.runtime.envs import component_environment, environment_python
+
+        self.model = model
+        self.options = options
+        kind = getattr(device, "type", str(device)).split(":")[0]
+        self.device_kind = kind if options.device == "auto" else options.device
+        if self.device_kind not in ("cpu", "cuda"):
+            raise UsageError(f"The {self.name} engine runs on cpu or cuda, not '{self.device_kind}'.",
+                             hint=f"Use rollout.engine={self.fallback} on this device.")
+        env = component_environment(environment, self.device_kind)
+        self.python = environment_python(env)
+        self.env_vars = dict(env.env)
+        self.args: list[str] = []
+        self._server: ServerProcess | None = None
+        self._synced_version: tuple[int, ...] | None = self._weights_version()  # the engine loads the files
+        self.sync_seconds = 0.0
+        self.syncs = 0
+
+    @property
+    def server(self) -> ServerProcess:
+        if self._server is None or self._server.proc.poll() is not None:
+            if self._server is not None or self.syncs:
+                self._synced_version = None  # a (re)started engine holds the weights on disk again
+            self._server = shared_server(self.python, self.server_module, self.args, self.env_vars,
+                                         self.options.start_timeout_s, name=f"{self.name} rollout server")
+        return self._server
+
+    def _weights_version(self) -> tuple[int, ...]:
+        params = self.model.trainable_parameters() if hasattr(self.model, "trainable_parameters") else []
+        return tuple(p._version for p in params)
+
+    def sync_weights(self, force: bool = False) -> dict[str, float]:
+        """Push the trained weights to the engine if they changed since the last push (or ``force``)."""
+        if self.options.weight_sync == "none":
+            return {}
+        version = self._weights_version()
+        if not force and version == self._synced_version:
+            return {}
+        start = time.perf_counter()
+        state, stats = self.push_weights()
+        self._synced_version = version
+        seconds = time.perf_counter() - start
+        self.sync_seconds += seconds
+        self.syncs += 1
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        return {"sync/seconds": seconds, "sync/mib": nbytes / 2**20, **stats}
+
+    def push_weights(self) -> tuple[dict[str, Any], dict[str, float]]:
+        """Send the trained weights to ``self.server``; returns (the tensors sent, extra figures)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Nothing to do: the shared server lives until the process exits (``close_shared_servers``)."""

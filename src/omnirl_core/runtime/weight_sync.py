@@ -33,3 +33,28 @@ def import_trained_state(model: Any, state: dict[str, Any]) -> None:
 
 def state_bytes(state: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def merged_weights(module: Any, adapted_only: bool = False) -> dict[str, Any]:
+    """``module``'s weights with every peft LoRA adapter merged in (base + scale B A), under the names the
+    module has without peft (``x.base_layer.weight`` -> ``x.weight``; no ``lora_`` tensors): what a serving
+    engine that knows nothing of LoRA loads. ``adapted_only``: just the layers an adapter changes."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for name, layer in module.named_modules():
+            base = getattr(layer, "base_layer", None)
+            if base is not None and hasattr(layer, "get_delta_weight"):
+                weight = base.weight.detach().clone()
+                for adapter in getattr(layer, "active_adapters", []):
+                    weight += layer.get_delta_weight(adapter).to(weight.dtype)
+                out[f"{name}.weight"] = weight
+                if getattr(base, "bias", None) is not None:
+                    out[f"{name}.bias"] = base.bias.detach()
+        if not adapted_only:
+            for key, value in module.state_dict().items():
+                if "lora_" in key or ".base_layer." in key:
+                    continue
+                out.setdefault(key, value.detach())
+    return out

@@ -603,3 +603,55 @@ def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: 
         for handle in handles:
             handle.remove()
     return sum(t.untyped_storage().nbytes() for t in kept.values())
+
+
+def perturb_trainable(model: Any, seed: int, scale: float) -> None:
+    """An update as an optimizer step makes it: in place (torch's version counters move), every trainable
+    tensor (a LoRA's B included, which starts at zero)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+def check_weight_update_reaches_engine(model: Any, make_engine: Any, requests: Any, delta: Any, sync: str,
+                                       seed: int, scale: float) -> None:
+    """For a rollout engine with weight sync: after an update, the next rollout's log-probs agree with the
+    trainer's (``delta(model, samples)``) only if the weights were synced (``make_engine(weight_sync=...)``).
+    The model's trained weights, and the engine's, are put back afterwards."""
+    import torch
+
+    saved = [p.detach().clone() for p in model.trainable_parameters()]
+    try:
+        stale = make_engine(weight_sync="none")
+        fresh = make_engine(weight_sync=sync)
+        perturb_trainable(model, seed, scale)
+        without = delta(model, list(stale.generate(requests)))
+        with_sync = delta(model, list(fresh.generate(requests)))
+        print(f"weight_sync={sync}: |delta| without sync {without:.3g}, with sync {with_sync:.3g} "
+              f"({fresh.syncs} sync, {fresh.sync_seconds:.2f} s)")
+        assert fresh.syncs == 1
+        assert with_sync <= 1e-5, with_sync
+        assert without > 1e-3, without
+    finally:
+        with torch.no_grad():
+            for p, s in zip(model.trainable_parameters(), saved):
+                p.copy_(s)
+        make_engine(weight_sync=sync).sync_weights(force=True)
+
+
+def require_engine_environment(name: str, device: str = "cpu") -> None:
+    """Skip the calling test unless the engine plugin is installed and its environment built."""
+    import pytest
+
+    from omnirl_core.errors import UsageError
+    from omnirl_core.runtime.envs import component_environment, is_built
+
+    try:
+        built = is_built(component_environment(name, device))
+    except UsageError as exc:  # the plugin itself is not installed in this environment
+        pytest.skip(f"the {name} engine plugin is not installed: {exc.message}")
+    if not built:
+        pytest.skip(f"the {name} environment is not built (omnirl env build {name} --device {device})")

@@ -10,37 +10,27 @@ multimodal prefill, padding and stopping.
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from transformers import LogitsProcessor
 
-from omnirl_core.ar.sampling import SamplingParams, TokenPrompt, sample_tokens, sampling_logprobs
-from omnirl_core.errors import UsageError
+from omnirl_core.ar.rollout import (
+    PromptCache,
+    TokenSamplingOptions,
+    ar_sample,
+    require_ar_model,
+    sampling_params,
+)
+from omnirl_core.ar.sampling import SamplingParams, sample_tokens, sampling_logprobs
 from omnirl_core.interfaces import GenRequest, Sample
 
 
-class TransformersRolloutOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TransformersRolloutOptions(TokenSamplingOptions):
     max_batch_size: int = Field(32, ge=1, description="Requests per generate call (left-padded together).")
-    max_new_tokens: int = Field(256, ge=1, description="Most tokens a completion may have (stop token included).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer re-scores at the same one.")
-    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens (0: off).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: the smallest set reaching p (1.0: off).")
-    allowed_tokens: list[str] | None = Field(
-        None, description="Sample only these tokens, each given as text that is exactly one token (guided choice, "
-        "e.g. answer letters); the stop tokens stay allowed. None: the whole vocabulary."
-    )
-    stop_tokens: list[str] | None = Field(
-        None, description="Tokens that end a completion; None takes the model's end-of-turn token."
-    )
-    prompt_cache_size: int = Field(1024, ge=0, description="Tokenised prompts (with media features) kept between "
-                                   "steps; prompts do not change during training.")
 
 
 class _SampleAndRecord(LogitsProcessor):
@@ -77,45 +67,12 @@ def _plain_generation_defaults(module: Any) -> Iterator[None]:
 
 class TransformersRolloutEngine:
     def __init__(self, model: Any, options: TransformersRolloutOptions | None, device: Any):
-        for needed in ("encode_prompt", "model_inputs", "token_logprobs", "module"):
-            if not hasattr(model, needed):
-                raise UsageError(
-                    f"The 'transformers' rollout engine drives autoregressive models; {type(model).__name__} has no "
-                    f"'{needed}' (it is not an ar-text model).",
-                    hint="Use the rollout engine the model suggests (e.g. rollout.engine=diffusers for flow models).",
-                )
+        require_ar_model(model, "transformers")
         self.model = model
         self.options = options or TransformersRolloutOptions()
         self.device = torch.device(device)
-        self.params = self._sampling_params()
-        self._prompts: OrderedDict[str, TokenPrompt] = OrderedDict()
-
-    def _sampling_params(self) -> SamplingParams:
-        o = self.options
-        try:
-            stop = tuple(self.model.token_id(t) for t in o.stop_tokens) if o.stop_tokens else \
-                self.model.stop_token_ids
-            allowed = None
-            if o.allowed_tokens:
-                allowed = tuple(dict.fromkeys([self.model.token_id(t) for t in o.allowed_tokens] + list(stop)))
-        except ValueError as exc:
-            raise UsageError(f"rollout.options: {exc}.",
-                             hint="allowed_tokens / stop_tokens must each be exactly one token of the model's "
-                             "tokenizer.") from exc
-        return SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p,
-                              max_new_tokens=o.max_new_tokens, allowed_token_ids=allowed, stop_token_ids=stop)
-
-    def _prompt(self, request: GenRequest) -> TokenPrompt:
-        key = json.dumps([request.prompt, request.inputs], sort_keys=True, default=str)
-        if key in self._prompts:
-            self._prompts.move_to_end(key)
-            return self._prompts[key]
-        prompt = self.model.encode_prompt(request)
-        if self.options.prompt_cache_size:
-            self._prompts[key] = prompt
-            while len(self._prompts) > self.options.prompt_cache_size:
-                self._prompts.popitem(last=False)
-        return prompt
+        self.params = sampling_params(model, self.options)
+        self._prompt = PromptCache(model, self.options.prompt_cache_size)
 
     def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
         size = self.options.max_batch_size
@@ -140,17 +97,10 @@ class TransformersRolloutEngine:
         tokens = torch.stack(recorder.tokens, dim=1)
         logprobs = torch.stack(recorder.logprobs, dim=1)
         generated = out[:, inputs["input_ids"].shape[1]:].cpu()
-        stop = torch.tensor(self.params.stop_token_ids)
         for b, (request, prompt) in enumerate(zip(batch, prompts)):
-            stops = torch.isin(tokens[b], stop).nonzero()
-            n = int(stops[0]) + 1 if len(stops) else tokens.shape[1]
-            completion = tokens[b, :n].clone()
-            if not torch.equal(generated[b, :n], completion):
+            sample = ar_sample(self.model, request, prompt, tokens[b], logprobs[b], self.params)
+            n = len(sample.extras["completion"])
+            if not torch.equal(generated[b, :n], sample.extras["completion"]):
                 raise RuntimeError("generate did not emit the sampled tokens: another logits processor or a "
                                    "forced token interfered with sampling")
-            yield Sample(
-                request=request, latents=None, sigmas=None, logprobs=logprobs[b, :n].clone(),
-                output=self.model.decode(completion),
-                extras={"prompt": prompt, "completion": completion, "sampling": self.params,
-                        "truncated": not len(stops)},
-            )
+            yield sample

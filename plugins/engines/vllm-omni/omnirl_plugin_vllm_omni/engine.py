@@ -12,67 +12,29 @@ version counters of the trainable parameters), they go to the engine: the LoRA t
 adapter API (loaded from tensors, no files), or the full denoiser (``weight_sync: full``; with LoRA the
 adapter merged into the base weights).
 
-One server per (environment, model directory, engine arguments) per process, shared by every engine object
-that asks for the same: tests and repeated runs in one process start vllm-omni once.
+One server per (environment, model directory, engine arguments) per process (``shared_server``), shared by every
+engine object that asks for the same: tests and repeated runs in one process start vllm-omni once.
 """
 
 from __future__ import annotations
 
-import atexit
 import math
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
-from omnirl_core.runtime.envs import component_environment, environment_python
-from omnirl_core.runtime.rollout_server import ServerProcess
+from omnirl_core.runtime.rollout_server import ServedEngineOptions, ServedRolloutEngine
+from omnirl_core.runtime.weight_sync import merged_weights
 
 SERVER_MODULE = "omnirl_plugin_vllm_omni.server"
 
 
-class VllmOmniRolloutOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class VllmOmniRolloutOptions(ServedEngineOptions):
     max_num_seqs: int = Field(32, ge=1, description="Most requests vllm-omni steps together (its step-wise batching).")
-    weight_sync: Literal["auto", "full", "none"] = Field(
-        "auto", description="How trained weights reach the engine before a rollout: 'auto' (the LoRA adapter "
-        "from tensors when training LoRA, else the full denoiser), 'full' (always the full denoiser; a LoRA "
-        "merged into it), 'none' (never: the engine keeps the weights it started with)."
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Where vllm-omni runs: 'auto' follows the trainer's device; 'cpu' uses omnirl's CPU "
-        "platform for vllm-omni (tests, no GPU)."
-    )
-    start_timeout_s: float = Field(900.0, gt=0, description="Longest wait for the engine to start.")
-    request_timeout_s: float = Field(3600.0, gt=0, description="Longest wait for one rollout call.")
-
-
-_SERVERS: dict[tuple, ServerProcess] = {}
-_LOCK = threading.Lock()
-
-
-def shared_server(python: Path, args: list[str], env: dict[str, str], start_timeout_s: float) -> ServerProcess:
-    key = (str(python), tuple(args), tuple(sorted(env.items())))
-    with _LOCK:
-        server = _SERVERS.get(key)
-        if server is None or server.proc.poll() is not None:
-            server = ServerProcess(python, SERVER_MODULE, args, env=env, start_timeout_s=start_timeout_s,
-                                   name="vllm-omni rollout server")
-            _SERVERS[key] = server
-        return server
-
-
-@atexit.register
-def close_servers() -> None:
-    with _LOCK:
-        for server in _SERVERS.values():
-            server.close()
-        _SERVERS.clear()
 
 
 def model_directory(model: Any) -> str:
@@ -104,52 +66,22 @@ def _plan_fields(request: GenRequest, sigmas: Any, shape: tuple[int, ...]) -> di
     }
 
 
-class VllmOmniRolloutEngine:
+class VllmOmniRolloutEngine(ServedRolloutEngine):
+    name = "vllm-omni"
+    server_module = SERVER_MODULE
+    fallback = "diffusers"
+
     def __init__(self, model: Any, options: VllmOmniRolloutOptions | None, device: Any):
-        self.model = model
-        self.options = options or VllmOmniRolloutOptions()
-        kind = getattr(device, "type", str(device)).split(":")[0]
-        self.device_kind = kind if self.options.device == "auto" else self.options.device
-        if self.device_kind not in ("cpu", "cuda"):
-            raise UsageError(f"The vllm-omni engine runs on cpu or cuda, not '{self.device_kind}'.",
-                             hint="Use rollout.engine=diffusers on this device.")
+        self.start_served(model, options or VllmOmniRolloutOptions(), device, "vllm-omni")
         self.directory = model_directory(model)
-        env = component_environment("vllm-omni", self.device_kind)
-        self.python = environment_python(env)
-        self.env_vars = dict(env.env)
         if self.device_kind == "cpu":
             self.env_vars["OMNIRL_VLLM_OMNI_CPU"] = "1"
         dtype = str(getattr(model, "dtype", "float32")).replace("torch.", "")
         self.args = ["--model", self.directory, "--dtype", dtype, "--max-num-seqs", str(self.options.max_num_seqs)]
-        self._server: ServerProcess | None = None
         self._sigmas: dict[tuple, Any] = {}
-        self._synced_version = self._weights_version()  # the engine starts with the weights on disk
-        self.sync_seconds = 0.0
-        self.syncs = 0
-
-    # -- server --------------------------------------------------------------------------------
-    @property
-    def server(self) -> ServerProcess:
-        if self._server is None or self._server.proc.poll() is not None:
-            self._server = shared_server(self.python, self.args, self.env_vars, self.options.start_timeout_s)
-            self._synced_version = None if self._pushed_any else self._synced_version
-        return self._server
-
-    _pushed_any = False
 
     # -- weight sync ---------------------------------------------------------------------------
-    def _weights_version(self) -> tuple[int, ...]:
-        params = self.model.trainable_parameters() if hasattr(self.model, "trainable_parameters") else []
-        return tuple(p._version for p in params)
-
-    def sync_weights(self, force: bool = False) -> dict[str, float]:
-        """Push the trained weights to the engine if they changed since the last push (or ``force``)."""
-        if self.options.weight_sync == "none":
-            return {}
-        version = self._weights_version()
-        if not force and version == self._synced_version:
-            return {}
-        start = time.perf_counter()
+    def push_weights(self) -> tuple[dict[str, Any], dict[str, float]]:
         lora = getattr(self.model, "lora", None)
         if lora is not None and self.options.weight_sync == "auto":
             from peft.utils import get_peft_model_state_dict
@@ -160,37 +92,11 @@ class VllmOmniRolloutEngine:
         else:
             state = self._full_state()
             self.server.call("load_weights", {}, state, timeout_s=self.options.request_timeout_s)
-        self._synced_version = version
-        self._pushed_any = True
-        seconds = time.perf_counter() - start
-        self.sync_seconds += seconds
-        self.syncs += 1
-        nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        return {"sync/seconds": seconds, "sync/mib": nbytes / 2**20}
+        return state, {}
 
     def _full_state(self) -> dict[str, Any]:
         """The denoiser's weights in diffusers names; a LoRA adapter merged in (base + scale B A)."""
-        import torch
-
-        denoiser = self.model.denoiser
-        if getattr(self.model, "lora", None) is None:
-            return {k: v.detach() for k, v in denoiser.state_dict().items()}
-        out = {}
-        with torch.no_grad():
-            for name, module in denoiser.named_modules():
-                base = getattr(module, "base_layer", None)
-                if base is not None and hasattr(module, "get_delta_weight"):
-                    weight = base.weight.detach().clone()
-                    for adapter in getattr(module, "active_adapters", []):
-                        weight += module.get_delta_weight(adapter).to(weight.dtype)
-                    out[f"{name}.weight"] = weight
-                    if getattr(base, "bias", None) is not None:
-                        out[f"{name}.bias"] = base.bias.detach()
-            for key, value in denoiser.state_dict().items():
-                if "lora_" in key or ".base_layer." in key:
-                    continue
-                out.setdefault(key, value.detach())
-        return out
+        return merged_weights(self.model.denoiser)
 
     # -- rollout -------------------------------------------------------------------------------
     def _schedule(self, request: GenRequest, shape: tuple[int, ...]) -> Any:
@@ -237,6 +143,3 @@ class VllmOmniRolloutEngine:
             raise UsageError(f"The vllm-omni engine returned a malformed trajectory for request {request.uid}.")
         return Sample(request=request, latents=tensors[p + "latents"], sigmas=tensors[p + "sigmas"],
                       logprobs=logprobs, output=tensors[p + "image"], extras={"cond": cond, "uncond": uncond})
-
-    def close(self) -> None:
-        """Nothing to do: the shared server lives until the process exits (``close_servers``)."""

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from omnirl_core.config import LoraConfig, ModelSection
-from omnirl_core.errors import UsageError
 from omnirl_core.flow.policy_gradient import Transition, transition_stats
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
 from omnirl_core.plugins import get_plugin_manager
-from omnirl_core.runtime.envs import component_environment, is_built
+from omnirl_core.testing import check_weight_update_reaches_engine, require_engine_environment
 
 pytestmark = pytest.mark.engines
 
@@ -32,12 +31,7 @@ ETA = 0.7
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_environment():
-    try:
-        built = is_built(component_environment("vllm-omni", "cpu"))
-    except UsageError as exc:  # the plugin itself is not installed in this environment
-        pytest.skip(f"the vllm-omni engine plugin is not installed: {exc.message}")
-    if not built:
-        pytest.skip("the vllm-omni environment is not built (omnirl env build vllm-omni --device cpu)")
+    require_engine_environment("vllm-omni")
 
 
 @pytest.fixture(scope="module")
@@ -137,34 +131,11 @@ def test_trainer_recomputes_the_engines_logprobs(model):
     assert delta <= 1e-5, delta
 
 
-def _perturb_lora(model, seed: int) -> None:
-    """A LoRA update as an optimizer step makes it: in place, non-zero B."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.trainable_parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g))
-
-
 @pytest.mark.parametrize("sync", ["auto", "full"])
 def test_a_weight_update_reaches_the_engine(model, sync):
     """After an update, the next rollout's log-probs agree with the trainer's only if the weights were synced."""
-    saved = [p.detach().clone() for p in model.trainable_parameters()]
-    try:
-        stale = engine(model, weight_sync="none")
-        fresh = engine(model, weight_sync=sync)
-        _perturb_lora(model, seed=3 if sync == "auto" else 4)
-        requests = requests_for(PLANS[:2])
-        without = trainer_logprob_delta(model, list(stale.generate(requests)))
-        with_sync = trainer_logprob_delta(model, list(fresh.generate(requests)))
-        print(f"weight_sync={sync}: |delta| without sync {without:.3g}, with sync {with_sync:.3g}")
-        assert with_sync <= 1e-5, with_sync
-        assert without > 1e-3, without
-    finally:
-        with torch.no_grad():
-            for p, s in zip(model.trainable_parameters(), saved):
-                p.copy_(s)
-        # the engine back to the starting weights (a zero adapter; full: the base, merged with it) for the others
-        engine(model, weight_sync=sync).sync_weights(force=True)
+    check_weight_update_reaches_engine(model, lambda **o: engine(model, **o), requests_for(PLANS[:2]),
+                                       trainer_logprob_delta, sync, seed=3 if sync == "auto" else 4, scale=0.3)
 
 
 def test_samples_are_complete(model):

@@ -134,6 +134,37 @@ class Qwen3OmniThinker(CausalLMPolicy):
     def media_inputs(self, media):
         return collate_media(list(media))
 
+    # -- serving -------------------------------------------------------------------------------
+    source: str = ""  # the directory or hub id the thinker was loaded from (create_model sets it)
+
+    def serving_directory(self) -> str:
+        """What a serving engine (vLLM) loads. A released checkpoint (the omni layout) as it is. A thinker saved
+        alone (the tiny preset, an omnirl full fine-tune) gets the omni configuration vLLM's model class reads
+        (``thinker_config``, no talker), beside links to its files: vLLM maps the thinker's own weight names."""
+        import hashlib
+        import json
+
+        source = Path(self.source)
+        if not source.is_dir():
+            return self.source  # a hub id: the engine resolves it as transformers does
+        text = (source / "config.json").read_text()
+        config = json.loads(text)
+        if config.get("model_type") != "qwen3_omni_moe_thinker":
+            return str(source.resolve())
+        key = hashlib.sha256(f"{source.resolve()}\n{text}".encode()).hexdigest()[:12]
+
+        def build(tmp: Path) -> None:
+            from transformers import Qwen3OmniMoeConfig
+
+            for item in source.iterdir():
+                if item.name != "config.json":
+                    (tmp / item.name).symlink_to(item.resolve())
+            omni = Qwen3OmniMoeConfig(thinker_config=config, enable_audio_output=False).to_dict()
+            omni["architectures"] = ["Qwen3OmniMoeForConditionalGeneration"]
+            (tmp / "config.json").write_text(json.dumps(omni, indent=2))
+
+        return str(atomic_directory(cache_dir() / "serving" / f"qwen3-omni-thinker-{key}", build))
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -233,4 +264,6 @@ def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device
     dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
     path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed), DEFAULT_HUB_ID)
     thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
-    return Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)
+    model = Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)
+    model.source = path
+    return model

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-TINY_VERSION = 2  # bump when the tiny architecture changes (invalidates the on-disk cache)
+TINY_VERSION = 3  # bump when the tiny architecture changes (invalidates the on-disk cache)
 
 # Qwen3 / Qwen3-Omni special tokens after the Qwen2 ones, in id order from 151657 (<|audio_pad|> = 151675)
 QWEN3_OMNI_EXTRA_SPECIALS = [
@@ -47,7 +47,16 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
-def build_tiny(seed: int = 0) -> tuple[Any, Any, Any, Any]:
+def _mrope_section(head_dim: int) -> list[int]:
+    """Rotary frequencies per (time, height, width) axis, summing to half the head: the released split
+    (24, 20, 20 of 64) scaled; the preset's 8-wide heads keep (1, 1, 2)."""
+    if head_dim == 8:
+        return [1, 1, 2]
+    half = head_dim // 2
+    return [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+
+
+def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
     """(thinker, tokenizer, image processor, feature extractor): text decoder hidden 32, 2 layers, 8 experts
     top-2; vision encoder depth 2, patch 16; audio encoder 2 layers, 20 mel bins."""
     from transformers import (
@@ -58,25 +67,28 @@ def build_tiny(seed: int = 0) -> tuple[Any, Any, Any, Any]:
     )
 
     tok = tiny_tokenizer()
-    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start"], tok.convert_tokens_to_ids(
-        ["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|audio_pad|>",
-         "<|audio_start|>"])))
+    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end"],
+                   tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
+                                              "<|vision_start|>", "<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"])))
     config = Qwen3OmniMoeThinkerConfig(
         text_config={
-            "vocab_size": VOCAB_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "moe_intermediate_size": 32,
+            "vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "moe_intermediate_size": 32,
             "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
             "pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "bos_token_id": ids["pad"],
-            "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "interleaved": True,
+            "rope_parameters": {"rope_type": "default", "mrope_section": _mrope_section(head_dim), "interleaved": True,
                                 "rope_theta": 1_000_000.0},
         },
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "patch_size": 16,
                        "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
-                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1]},
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1],
+                       # as released configs carry it (768 / 16 = 48 per side = sqrt(2304) position embeddings);
+                       # vLLM reads it: 128 / 16 = 8 = sqrt(64)
+                       "image_size": 128, "apply_vit_abs_pos_embed": True},
         audio_config={"num_mel_bins": 20, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
                       "d_model": 32, "output_dim": 32, "n_window": 50, "n_window_infer": 100, "conv_chunksize": 500,
                       "downsample_hidden_size": 16, "max_source_positions": 1500},
-        audio_token_id=ids["audio"], audio_start_token_id=ids["audio_start"], image_token_id=ids["image"],
+        audio_token_id=ids["audio"], audio_start_token_id=ids["audio_start"], audio_end_token_id=ids["audio_end"], image_token_id=ids["image"],
         video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
     )
     torch.manual_seed(seed)
@@ -97,15 +109,32 @@ def _widen_output_head(thinker: Any, std: float = 0.3) -> None:
         head.mul_(std / head.std())
 
 
-def save_tiny(directory: str | Path, seed: int = 0) -> Path:
-    """Build the tiny preset and save it in the released checkpoints' layout."""
+# the media markup tokens by role, as released checkpoints' tokenizer_config.json names them: transformers'
+# Qwen3OmniMoeProcessor (which vLLM builds) reads them off the tokenizer
+MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
+}
+
+
+def _name_media_tokens(path: Path) -> None:
+    config = json.loads(path.read_text())
+    config["extra_special_tokens"] = {**(config.get("extra_special_tokens") or {}), **MEDIA_TOKENS}
+    path.write_text(json.dumps(config, indent=2))
+
+
+def save_tiny(directory: str | Path, seed: int = 0, head_dim: int = 8) -> Path:
+    """Build the tiny preset and save it in the released checkpoints' layout. ``head_dim``: the text decoder's
+    attention head size (vLLM's CPU attention takes 64 and up; the preset keeps 8)."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     directory = Path(directory)
-    thinker, tok, image_processor, feature_extractor = build_tiny(seed)
+    thinker, tok, image_processor, feature_extractor = build_tiny(seed, head_dim)
     thinker.save_pretrained(str(directory), safe_serialization=True)
     tok.save_pretrained(str(directory))
+    _name_media_tokens(directory / "tokenizer_config.json")
     # one preprocessor_config.json for both, as released Qwen omni checkpoints ship it
     merged = {**feature_extractor.to_dict(), **image_processor.to_dict()}
     merged.pop("mel_filters", None)  # derived from the other fields

@@ -1,4 +1,5 @@
-"""Post-install step of the engine's CPU environment (``python -m omnirl_plugin_vllm_omni.envfix``).
+"""Post-install step of an engine's CPU environment (``python -m omnirl_core.runtime.torchvision_fix``, listed in
+the environment.toml of vllm-omni and vllm).
 
 PyPI's torchvision wheels link against CUDA torch. Against vLLM's CPU torch its C++ ops do not load, and
 ``import torchvision`` then fails in ``_meta_registrations.py``, which registers fake kernels for
