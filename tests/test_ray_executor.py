@@ -144,3 +144,32 @@ def test_actors_size_torch_to_the_cpus_ray_assigned_them(ray_cluster, tmp_path: 
             assert ray.get(actor.torch_threads.remote(), timeout=120) == expected, cpus
         finally:
             ray.kill(actor)
+
+
+def test_a_worker_group_runs_in_its_own_runtime_environment(ray_cluster, inline_metrics, tmp_path: Path):
+    """run.ray_runtime_envs: the reward group's actors start through another interpreter (here a wrapper that
+    records each process it starts, then runs this venv's python) with their own variables; the run is the
+    inline run. A reward model with conflicting dependencies runs the same way in an environment of its own."""
+    import os
+    import sys
+
+    marker = tmp_path / "started"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\necho "$$ $OMNIRL_TEST_GROUP" >> {marker}\nexec {sys.executable} "$@"\n')
+    os.chmod(wrapper, 0o755)
+    envs = {"reward": {"py_executable": str(wrapper), "env_vars": {"OMNIRL_TEST_GROUP": "reward"}}}
+    _same(inline_metrics, _metrics(tmp_path / "run", executor="ray", ray_runtime_envs=envs))
+    started = marker.read_text().split("\n")
+    assert any(line.endswith(" reward") for line in started), started
+
+
+def test_runtime_environment_mistakes_are_clear(tmp_path: Path):
+    from omnirl_core.runtime.ray_executor import group_runtime_env
+
+    with pytest.raises(UsageError, match=r"unknown keys \['conda'\]"):
+        group_runtime_env({"conda": "x"}, "reward")
+    with pytest.raises(UsageError, match="does not exist"):
+        group_runtime_env({"py_executable": str(tmp_path / "nope" / "python")}, "rollout")
+    with pytest.raises(UsageError, match="No environment declared for 'no-such-engine'"):
+        group_runtime_env({"environment": "no-such-engine"}, "rollout")
+    assert group_runtime_env({"env_vars": {"A": "1"}}, "train") == {"env_vars": {"A": "1"}}

@@ -178,6 +178,14 @@ class RunSection(Section):
     worker_cpus: float = Field(
         1.0, gt=0, description="Ray: CPUs each actor/rollout worker reserves (fractions share a small machine)."
     )
+    ray_runtime_envs: dict[Literal["train", "rollout", "reference", "reward"], dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Ray: a runtime environment per worker group (train, rollout, reference, reward), Ray's "
+        "runtime_env keys: py_executable (another interpreter), pip or uv (packages Ray installs for the group), "
+        "env_vars; or environment: NAME, the interpreter of an environment `omnirl env build NAME` built. The "
+        "group's interpreter must have omnirl and the run's plugins. (Engines with their own environments, "
+        "vllm and vllm-omni, start their servers there by themselves, inline and under Ray alike.)",
+    )
     reward_mode: Literal["async", "sync"] = Field(
         "async",
         description="async: each finished sample is scored at once, overlapping the rest of the rollout; sync: "

@@ -126,6 +126,32 @@ class RewardActor:
         return [(s.rewards, s.reward) for s in samples], time.perf_counter() - start
 
 
+RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
+
+
+def group_runtime_env(spec: dict[str, Any] | None, group: str) -> dict[str, Any] | None:
+    """Ray's runtime_env of one worker group from ``run.ray_runtime_envs.<group>``: ``environment: NAME``
+    becomes the py_executable of that built environment (an error naming the build command when it is not
+    built); the other keys are Ray's own."""
+    if not spec:
+        return None
+    unknown = sorted(set(spec) - set(RUNTIME_ENV_KEYS))
+    if unknown:
+        raise UsageError(f"run.ray_runtime_envs.{group}: unknown keys {unknown}.",
+                         hint=f"Use {', '.join(RUNTIME_ENV_KEYS)}.")
+    out = {k: v for k, v in spec.items() if k != "environment"}
+    if "environment" in spec:
+        if "py_executable" in spec:
+            raise UsageError(f"run.ray_runtime_envs.{group}: give 'environment' or 'py_executable', not both.")
+        from omnirl_core.runtime.envs import component_environment, environment_python
+
+        out["py_executable"] = str(environment_python(component_environment(str(spec["environment"]))))
+    if "py_executable" in out and not Path(str(out["py_executable"]).split()[0]).exists():
+        raise UsageError(f"run.ray_runtime_envs.{group}.py_executable: {out['py_executable']} does not exist.",
+                         hint="Point it at the python of a virtual environment that has omnirl and the run's plugins.")
+    return out
+
+
 def _actor_resources(resource: str, cpus: float) -> dict[str, Any]:
     """Ray actor options for one worker on a device whose Ray resource is ``resource``."""
     if resource == "CPU":
@@ -201,11 +227,15 @@ class RayExecutor:
             )
         return pool
 
-    def _place(self, cls: Any, pool: Any, index: int, options: dict[str, Any], *args: Any) -> Any:
+    def _place(self, cls: Any, pool: Any, index: int, options: dict[str, Any], *args: Any,
+               group: str = "") -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
+        runtime_env = group_runtime_env(self.resolved.config.run.ray_runtime_envs.get(group), group)
+        if runtime_env:
+            options = {**options, "runtime_env": runtime_env}
         return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
 
     def setup(self) -> None:
@@ -231,7 +261,7 @@ class RayExecutor:
         })
         train_pool = self._pool("train", [_bundle(worker_opts)] * run.train_workers)
         self.train = [self._place(WorkerActor, train_pool, rank, worker_opts, r, train_roles, rank,
-                                  run.train_workers) for rank in range(run.train_workers)]
+                                  run.train_workers, group="train") for rank in range(run.train_workers)]
         if run.train_workers > 1:
             address, port = ray.get(self.train[0].address.remote())
             backend = r.device.backend if r.device else "gloo"
@@ -240,13 +270,15 @@ class RayExecutor:
             self.rollout_worker = self.train[0]
         else:
             rollout_pool = self._pool("rollout", [_bundle(worker_opts)])
-            self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1)
+            self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1,
+                                              group="rollout")
         if separate_reference:
             reference_pool = self._pool("reference", [_bundle(worker_opts)])
-            self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1)
+            self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1,
+                                                group="reference")
         reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
         actor_opts = {**reward_opts, "max_concurrency": run.reward_concurrency}
-        self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r)
+        self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:
