@@ -62,6 +62,21 @@ def serving_directory(model: Any) -> str:
     return str(Path(path).resolve()) if Path(path).is_dir() else str(path)
 
 
+def _check_cpu_head_size(model: Any) -> None:
+    """vLLM's CPU attention takes head sizes of 64 and up: say so before a minutes-long start fails."""
+    config = getattr(model.module, "config", None)
+    text = getattr(config, "text_config", None) or config
+    head = getattr(text, "head_dim", None)
+    if head is None and getattr(text, "num_attention_heads", None):
+        head = text.hidden_size // text.num_attention_heads
+    if head is not None and head < 64:
+        raise UsageError(
+            f"vLLM's CPU attention takes attention heads of 64 and more; this model's are {head} wide.",
+            hint="For the tiny Qwen3-Omni preset add --set model.options.tiny_head_dim=64; or use "
+            "rollout.engine=transformers.",
+        )
+
+
 def checkpoint_names(module: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``module``'s state (its attribute names) in the names and layout of its checkpoint files, the names
     vLLM's loaders expect: transformers renames and fuses some weights at load time (e.g. the MoE experts);
@@ -86,6 +101,8 @@ class VllmRolloutEngine(ServedRolloutEngine):
         self._prompt = PromptCache(model, self.options.prompt_cache_size)
         if self.device_kind == "cpu":
             self.env_vars["VLLM_CPU_KVCACHE_SPACE"] = f"{self.options.kv_cache_gib:g}"
+        if self.device_kind == "cpu":
+            _check_cpu_head_size(model)
         self.directory = serving_directory(model)
         dtype = str(getattr(model, "dtype", torch.float32)).replace("torch.", "")
         self.args = ["--model", self.directory, "--dtype", dtype, "--max-num-seqs", str(self.options.max_num_seqs),

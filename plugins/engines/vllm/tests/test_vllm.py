@@ -121,6 +121,14 @@ def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu(tiny_dir: Path):
         list(eng.generate(requests(2)))
 
 
+def test_a_cpu_engine_refuses_narrow_heads_before_starting(tmp_path: Path):
+    """The preset's own 8-wide heads: a clear error at once, not a failed engine start minutes later."""
+    create_model = get_plugin_manager().resolve("model", "qwen3-omni").load_factory()
+    narrow = create_model(ModelSection(name="qwen3-omni", preset="tiny"), None, "cpu")
+    with pytest.raises(UsageError, match="tiny_head_dim=64"):
+        engine(narrow)
+
+
 def test_media_prompts_are_refused_clearly(model, tmp_path: Path):
     from PIL import Image
 
@@ -131,14 +139,14 @@ def test_media_prompts_are_refused_clearly(model, tmp_path: Path):
         list(engine(model).generate([request]))
 
 
-def test_gspo_trains_through_the_cli_on_the_engine(tiny_dir: Path, tmp_path: Path):
+def test_gspo_trains_through_the_cli_on_the_engine(tmp_path: Path):
     """`omnirl train --model qwen3-omni --algo gspo --set rollout.engine=vllm` (its own vLLM start, in the CLI's
     process): every step's rollout log-probs agree with the trainer's, so each LoRA update reached the engine,
     and the answer-match reward rises as with the transformers engine."""
     run = tmp_path / "run"
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("omnirl")), "train", "--model", "qwen3-omni", "--algo", "gspo",
-         "--preset", "tiny", "--steps", "16", "--set", f"model.path={tiny_dir}", "--set", "rollout.engine=vllm",
+         "--preset", "tiny", "--steps", "16", "--set", "model.options.tiny_head_dim=64", "--set", "rollout.engine=vllm",
          "--set", "rollout.options.kv_cache_gib=1", "--set", "rollout.options.max_model_len=512",
          "--output-dir", str(run)], capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -34,6 +34,8 @@ class Qwen3OmniOptions(BaseModel):
         "training memory for long sequences, about a third more compute; same numbers)."
     )
     tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
+    tiny_head_dim: int = Field(8, ge=2, description="Attention head size of the tiny preset's text decoder (64 "
+                               "for the vllm engine on a CPU, whose attention takes 64 and up).")
 
 
 class Qwen3OmniThinker(CausalLMPolicy):
@@ -169,11 +171,12 @@ class Qwen3OmniThinker(CausalLMPolicy):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _tiny_directory(seed: int) -> Path:
+def _tiny_directory(seed: int, head_dim: int = 8) -> Path:
     from omnirl_plugin_qwen3_omni.tiny import TINY_VERSION, save_tiny
 
-    target = cache_dir() / "presets" / f"qwen3-omni-tiny-v{TINY_VERSION}-seed{seed}"
-    return atomic_directory(target, lambda tmp: save_tiny(tmp, seed=seed))
+    wide = "" if head_dim == 8 else f"-hd{head_dim}"
+    target = cache_dir() / "presets" / f"qwen3-omni-tiny-v{TINY_VERSION}-seed{seed}{wide}"
+    return atomic_directory(target, lambda tmp: save_tiny(tmp, seed=seed, head_dim=head_dim))
 
 
 def _unreachable(path: str, exc: Exception) -> UsageError:
@@ -262,7 +265,7 @@ def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device
     from omnirl_core.runtime.precision import concrete_dtype
 
     dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
-    path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed), DEFAULT_HUB_ID)
+    path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed, options.tiny_head_dim), DEFAULT_HUB_ID)
     thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
     model = Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)
     model.source = path
