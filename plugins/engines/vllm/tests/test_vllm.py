@@ -37,23 +37,18 @@ def engine_environment():
     require_engine_environment("vllm")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    from omnirl_plugin_qwen3_omni.tiny import save_tiny
-
-    return save_tiny(tmp_path_factory.mktemp("qwen3-omni-tiny-hd64"), seed=0, head_dim=64)
-
-
-def load(tiny_dir: Path, lora: bool = True):
-    create_model = get_plugin_manager().resolve("model", "qwen3-omni").load_factory()
-    m = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(tiny_dir)), None, "cpu")
+def load(lora: bool = True, head_dim: int = 64):
+    """The tiny preset (64-wide text heads by default: vLLM's CPU attention), through the plugin registry."""
+    spec = get_plugin_manager().resolve("model", "qwen3-omni")
+    options = spec.load_config()(tiny_head_dim=head_dim)
+    m = spec.load_factory()(ModelSection(name="qwen3-omni", preset="tiny"), options, "cpu")
     m.setup_training(LoraConfig(rank=4, alpha=8) if lora else LoraConfig(enabled=False), need_reference=False)
     return m
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir: Path):
-    return load(tiny_dir)
+def model():
+    return load()
 
 
 def engine(model, **options):
@@ -110,10 +105,10 @@ def test_a_weight_update_reaches_the_engine(model, sync):
                                        seed=3 if sync == "auto" else 4, scale=0.1)
 
 
-def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu(tiny_dir: Path):
+def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu():
     """vLLM's CPU build repacks MoE expert weights and does not reload them in place: a run that trains them
     (full fine-tuning) is stopped at the first sync with what to do, never left sampling from stale experts."""
-    full = load(tiny_dir, lora=False)
+    full = load(lora=False)
     eng = engine(full)
     with torch.no_grad():
         full.module.lm_head.weight.mul_(1.5)  # an update
@@ -123,8 +118,7 @@ def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu(tiny_dir: Path):
 
 def test_a_cpu_engine_refuses_narrow_heads_before_starting(tmp_path: Path):
     """The preset's own 8-wide heads: a clear error at once, not a failed engine start minutes later."""
-    create_model = get_plugin_manager().resolve("model", "qwen3-omni").load_factory()
-    narrow = create_model(ModelSection(name="qwen3-omni", preset="tiny"), None, "cpu")
+    narrow = load(head_dim=8)
     with pytest.raises(UsageError, match="tiny_head_dim=64"):
         engine(narrow)
 
