@@ -617,7 +617,7 @@ def perturb_trainable(model: Any, seed: int, scale: float) -> None:
 
 
 def check_weight_update_reaches_engine(model: Any, make_engine: Any, requests: Any, delta: Any, sync: str,
-                                       seed: int, scale: float) -> None:
+                                       seed: int, scale: float, tolerance: float = 1e-5) -> None:
     """For a rollout engine with weight sync: after an update, the next rollout's log-probs agree with the
     trainer's (``delta(model, samples)``) only if the weights were synced (``make_engine(weight_sync=...)``).
     The model's trained weights, and the engine's, are put back afterwards."""
@@ -633,8 +633,8 @@ def check_weight_update_reaches_engine(model: Any, make_engine: Any, requests: A
         print(f"weight_sync={sync}: |delta| without sync {without:.3g}, with sync {with_sync:.3g} "
               f"({fresh.syncs} sync, {fresh.sync_seconds:.2f} s)")
         assert fresh.syncs == 1
-        assert with_sync <= 1e-5, with_sync
-        assert without > 1e-3, without
+        assert with_sync <= tolerance, with_sync
+        assert without > 100 * tolerance, without
     finally:
         with torch.no_grad():
             for p, s in zip(model.trainable_parameters(), saved):

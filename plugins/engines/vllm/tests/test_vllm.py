@@ -101,8 +101,10 @@ def test_seeds_make_requests_reproducible(model):
 @pytest.mark.parametrize("sync", ["auto", "full"])
 def test_a_weight_update_reaches_the_engine(model, sync):
     """After an update, the next rollout's log-probs agree with the trainer's only if the weights were synced."""
+    # the update moves log-probs by nats (to -15 .. -20 over 152k tokens); two fp32 kernels then differ in the
+    # last bits of such values: seen 3.8e-6 to 1.3e-5 (1e-6 relative), against 8 nats off without the sync
     check_weight_update_reaches_engine(model, lambda **o: engine(model, **o), requests(), trainer_delta, sync,
-                                       seed=3 if sync == "auto" else 4, scale=0.1)
+                                       seed=3 if sync == "auto" else 4, scale=0.1, tolerance=5e-5)
 
 
 def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu():
@@ -119,8 +121,9 @@ def test_full_fine_tuning_of_moe_experts_is_refused_on_a_cpu():
 def test_a_cpu_engine_refuses_narrow_heads_before_starting(tmp_path: Path):
     """The preset's own 8-wide heads: a clear error at once, not a failed engine start minutes later."""
     narrow = load(head_dim=8)
-    with pytest.raises(UsageError, match="tiny_head_dim=64"):
+    with pytest.raises(UsageError, match="heads of 64 and more; this model's are 8 wide") as err:
         engine(narrow)
+    assert "tiny_head_dim=64" in err.value.hint
 
 
 def test_media_prompts_are_refused_clearly(model, tmp_path: Path):
