@@ -312,20 +312,33 @@ def check_ar_logprob_consistency(model: Any, requests: Sequence[Any], params: An
     return samples
 
 
+_REFUSE_NETWORK = """
+import socket
+_calls = []
+def _refuse(*args, **kwargs):
+    _calls.append(repr(args))
+    raise OSError("network access refused by the test")
+socket.getaddrinfo = socket.create_connection = socket.socket.connect = _refuse
+"""
+
+
 def offline_error(setup: str, call: str) -> str:
     """What a user sees when a checkpoint cannot be fetched: runs ``setup`` (imports) then ``call`` in a fresh
-    process with the hub offline (``HF_HUB_OFFLINE=1``), asserts that it raises omnirl's ``UsageError`` and
-    returns its rendered text."""
+    process with the hub offline (``HF_HUB_OFFLINE=1`` in the environment, as users set it) and every socket
+    refused and recorded; asserts that it raises omnirl's ``UsageError`` without one network call and returns
+    its rendered text."""
     import os
     import subprocess
     import sys
 
-    code = (f"{setup}\nfrom omnirl_core.errors import UsageError\ntry:\n    {call}\n"
-            "except UsageError as e:\n    print('ERR', e.render())\n")
+    code = (f"{_REFUSE_NETWORK}{setup}\nfrom omnirl_core.errors import UsageError\ntry:\n    {call}\n"
+            "except UsageError as e:\n    print('ERR', e.render())\nprint('NETWORK CALLS:', _calls)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.stdout.startswith("ERR "), out.stderr[-2000:]
-    return out.stdout[4:]
+    text, _, calls = out.stdout[4:].rpartition("NETWORK CALLS:")
+    assert calls.strip() == "[]", f"network calls while offline: {calls.strip()}"
+    return text
 
 
 def check_import_is_cheap(module: str) -> None:

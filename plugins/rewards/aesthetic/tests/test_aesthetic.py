@@ -5,9 +5,6 @@ Plus the one-time .pth -> safetensors conversion, loading errors, HF_HUB_OFFLINE
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import to_uint8
-from omnirl_core.testing import check_reward_rises
+from omnirl_core.testing import check_reward_rises, offline_error
 
 
 def published_mlp(input_size: int) -> nn.Module:
@@ -121,28 +118,9 @@ def test_missing_clip_files(tmp_path: Path, converted: tuple[nn.Module, Path]):
     assert f"Put them in {tmp_path}" in err.value.render() and "clip_path" in err.value.render()
 
 
-OFFLINE_DRIVER = """
-import socket, sys
-calls = []
-def refuse(*args, **kwargs):
-    calls.append(repr(args))
-    raise OSError("network access refused by the test")
-socket.getaddrinfo = socket.create_connection = socket.socket.connect = refuse
-from omnirl_core.errors import UsageError
-from omnirl_plugin_aesthetic.reward import AestheticOptions, AestheticScore
-try:
-    AestheticScore(AestheticOptions(mlp_path=sys.argv[1], device="cpu"))
-except UsageError as exc:
-    print(exc.render())
-print("NETWORK CALLS:", calls)
-"""
-
-
 def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Path]):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", OFFLINE_DRIVER, str(converted[1])], capture_output=True,
-                         text=True, env=env, timeout=300, check=True).stdout
-    assert "NETWORK CALLS: []" in out, out
+    out = offline_error('from omnirl_plugin_aesthetic.reward import AestheticOptions, AestheticScore',
+                        f"AestheticScore(AestheticOptions(mlp_path={str(converted[1])!r}, device='cpu'))")
     assert "missing for 'openai/clip-vit-large-patch14'" in out and "HF_HUB_OFFLINE=1 is set" in out
 
 

@@ -7,9 +7,6 @@ own open_clip where it imports (it needs a working torchvision). Plus conversion
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +22,7 @@ from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import to_uint8
-from omnirl_core.testing import check_reward_rises
+from omnirl_core.testing import check_reward_rises, offline_error
 
 PROMPTS = ["a lighthouse in a storm", "a corgi on a beach", "a lighthouse in a storm"]
 
@@ -187,29 +184,10 @@ def test_unset_path_and_missing_files(tmp_path: Path):
     assert f"Put them in {tmp_path}" in err.value.render()
 
 
-OFFLINE_DRIVER = """
-import socket, sys
-calls = []
-def refuse(*args, **kwargs):
-    calls.append(repr(args))
-    raise OSError("network access refused by the test")
-socket.getaddrinfo = socket.create_connection = socket.socket.connect = refuse
-from omnirl_core.errors import UsageError
-from omnirl_plugin_hpsv2.reward import HPSv2, HPSv2Options
-try:
-    HPSv2(HPSv2Options(path=sys.argv[1], device="cpu"))
-except UsageError as exc:
-    print(exc.render())
-print("NETWORK CALLS:", calls)
-"""
-
-
 def test_hf_hub_offline_never_touches_the_network():
     """A converted model on disk, the default processor hub id not cached: refused without a connection."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", OFFLINE_DRIVER, str(tiny_directory())], capture_output=True,
-                         text=True, env=env, timeout=300, check=True).stdout
-    assert "NETWORK CALLS: []" in out, out
+    out = offline_error('from omnirl_plugin_hpsv2.reward import HPSv2, HPSv2Options',
+                        f"HPSv2(HPSv2Options(path={str(tiny_directory())!r}, device='cpu'))")
     assert "preprocessor_config.json, tokenizer.json | vocab.json + merges.txt missing for " \
            "'laion/CLIP-ViT-H-14-laion2B-s32B-b79K'" in out
     assert "HF_HUB_OFFLINE=1 is set" in out and "processor_path" in out
