@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.presets import atomic_directory, cache_dir
 from omnirl_core.rewards_kit.clip import load_clip
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 from omnirl_core.rewards_kit.tiny_clip import TINY_VERSION, save_tiny_clip
 from omnirl_plugin_aesthetic.mlp import AestheticMLP, load_mlp
 
@@ -30,18 +31,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class AestheticOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AestheticOptions(BatchedRewardOptions):
     clip_path: str = Field(DEFAULT_CLIP, description="The CLIP ViT-L/14 checkpoint (transformers CLIPModel): a "
                            "local directory or a hub id.")
     mlp_path: str | None = Field(None, description="The predictor head as .safetensors (convert the released "
                                  ".pth once: python -m omnirl_plugin_aesthetic.convert IN.pth OUT.safetensors).")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random-weight CLIP and head of the same "
-                                           "layout, built once in $OMNIRL_CACHE/presets (ignores the paths).")
-    device: str = Field("auto", description="Device: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="CLIP weights' dtype (the "
-                                                             "head runs in float32).")
-    batch_size: int = Field(32, ge=1, description="Images per forward pass.")
 
 
 def save_tiny(directory: Path, seed: int = 0) -> None:

@@ -7,11 +7,12 @@ image embedding. Any transformers ``CLIPModel`` checkpoint (the paper uses ViT-B
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.rewards_kit.clip import cosine, load_options_clip
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
 DEFAULT_PATH = "openai/clip-vit-base-patch32"
 DEFAULT_PROMPTS = [
@@ -24,21 +25,14 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class ClipScoreOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ClipScoreOptions(BatchedRewardOptions):
     path: str = Field(DEFAULT_PATH, description="A transformers CLIPModel checkpoint: a local directory (with its "
                       "processor files) or a hub id.")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random-weight CLIP of the same "
-                                           "architecture, built once in $OMNIRL_CACHE/presets (ignores path).")
-    device: str = Field("auto", description="Device of the CLIP model: auto (cuda if available), cpu, cuda, "
-                        "cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="CLIP weights' dtype.")
     w: float = Field(2.5, gt=0, description="CLIPScore's rescaling weight w (2.5 in the paper).")
     raw: bool = Field(False, description="Return the raw cosine cos(image, text) in [-1, 1] instead of "
                       "w * max(cos, 0).")
     prefix: str = Field("A photo depicts ", description="Text put before each prompt (the paper's default; "
                         "'' for none).")
-    batch_size: int = Field(32, ge=1, description="Images per CLIP forward pass.")
 
 
 class ClipScore:

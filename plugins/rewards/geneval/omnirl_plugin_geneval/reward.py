@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.rewards_kit.clip import DTYPES, from_pretrained, load_clip, resolve_device, to_uint8
+from omnirl_core.rewards_kit.options import ModelRewardOptions
 from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
 from omnirl_plugin_geneval.judge import Detection, judge
 from omnirl_plugin_geneval.parse import COLORS, task_of
@@ -35,16 +36,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class GenEvalOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GenEvalOptions(ModelRewardOptions):
     detector_path: str = Field(DEFAULT_DETECTOR, description="An OWLv2 checkpoint (transformers "
                                "Owlv2ForObjectDetection + processor): local directory or hub id.")
     clip_path: str = Field(DEFAULT_CLIP, description="The CLIP that classifies colours (GenEval: ViT-L/14): "
                            "local directory or hub id.")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': random-weight OWLv2 and CLIP of the same "
-                                           "architectures, built once in $OMNIRL_CACHE/presets (ignores the paths).")
-    device: str = Field("auto", description="Device: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     score: Literal["fraction", "strict"] = Field("fraction", description="fraction: the share of the prompt's "
                                                  "checks that hold; strict: 1 when all hold (GenEval's score).")
     threshold: float = Field(0.2, gt=0, lt=1, description="Detection confidence threshold (OWLv2's scale; not "

@@ -9,12 +9,13 @@ laion/CLIP-ViT-H-14-laion2B-s32B-b79K (the same tokenizer and image settings as 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import cosine, load_clip
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 CONVERT = "python -m omnirl_plugin_hpsv2.convert HPS_v2.1_compressed.pt DIR"
@@ -28,19 +29,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class HPSv2Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class HPSv2Options(BatchedRewardOptions):
     path: str | None = Field(None, description="The converted HPS v2/v2.1 checkpoint (a transformers CLIPModel "
                              f"directory written by `{CONVERT}`).")
     processor_path: str = Field(DEFAULT_PROCESSOR, description="The ViT-H-14 CLIPProcessor: a local directory "
                                 "or a hub id.")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random open_clip checkpoint of the "
-                                           "ViT-H-14 layout at small sizes, converted like a release, built once "
-                                           "in $OMNIRL_CACHE/presets (ignores the paths).")
-    device: str = Field("auto", description="Device: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights' dtype "
-                                                             "(hpsv2.score runs under CUDA fp16 autocast).")
-    batch_size: int = Field(32, ge=1, description="Images per forward pass.")
 
 
 class HPSv2:

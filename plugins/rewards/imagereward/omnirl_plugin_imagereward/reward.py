@@ -12,14 +12,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import DTYPES, ClipPreprocessor, hub_offline, resolve_device
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 from omnirl_plugin_imagereward.convert import CONFIG, WEIGHTS
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072
@@ -35,15 +36,8 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class ImageRewardOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ImageRewardOptions(BatchedRewardOptions):
     path: str | None = Field(None, description=f"The converted ImageReward directory (written by `{CONVERT}`).")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random checkpoint of the release's layout "
-                                           "at small sizes, converted like a release, built once in "
-                                           "$OMNIRL_CACHE/presets (ignores path).")
-    device: str = Field("auto", description="Device: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="BLIP weights' dtype (the "
-                                                             "head runs in float32).")
     batch_size: int = Field(16, ge=1, description="Images per forward pass.")
 
 

@@ -7,11 +7,12 @@ with the processor of laion/CLIP-ViT-H-14-laion2B-s32B-b79K, as in the authors' 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.rewards_kit.clip import cosine, load_options_clip
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
 DEFAULT_PATH = "yuvalkirstain/PickScore_v1"
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -25,16 +26,10 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class PickScoreOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PickScoreOptions(BatchedRewardOptions):
     path: str = Field(DEFAULT_PATH, description="The PickScore CLIPModel: a local directory or a hub id.")
     processor_path: str = Field(DEFAULT_PROCESSOR, description="Its CLIPProcessor (tokenizer + image settings): a "
                                 "local directory or a hub id.")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random-weight CLIP-H-style model, built "
-                                           "once in $OMNIRL_CACHE/presets (ignores path and processor_path).")
-    device: str = Field("auto", description="Device of the model: auto (cuda if available), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model weights' dtype.")
-    batch_size: int = Field(32, ge=1, description="Images per forward pass.")
 
 
 class PickScore:

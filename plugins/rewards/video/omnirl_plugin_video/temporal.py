@@ -10,13 +10,14 @@ frozen videos.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.rewards_kit.clip import load_options_clip
+from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
 DEFAULT_PATH = "openai/clip-vit-base-patch32"
 DEFAULT_PROMPTS = [
@@ -27,14 +28,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class TemporalOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TemporalOptions(BatchedRewardOptions):
     path: str = Field(DEFAULT_PATH, description="A transformers CLIPModel checkpoint (local directory or hub id) "
                       "whose image embeddings are compared.")
-    preset: Literal["tiny"] | None = Field(None, description="'tiny': a random-weight CLIP of the same "
-                                           "architecture, built once in $OMNIRL_CACHE/presets (ignores path).")
-    device: str = Field("auto", description="Device of the CLIP model: auto (cuda if available), cpu, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="CLIP weights' dtype.")
     stride: int = Field(1, ge=1, description="Compare every stride-th frame (0, s, 2s, ...).")
     anchor_weight: float = Field(0.0, ge=0, le=1, description="Weight of each frame's similarity to the first "
                                  "frame (VBench averages both: 0.5); 0: consecutive frames only.")
