@@ -10,6 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.runtime.threads import apply_env
+
+apply_env()  # the thread policy a CLI run gets (OpenMP threads, spin-then-sleep), set before torch loads
+
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 from omnirl_core.runtime.controller import Controller

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,3 +219,129 @@ def test_every_plugin_of_this_repository_is_first_party():
     root = Path(__file__).resolve().parents[1]
     names = {tomllib.loads(p.read_text())["project"]["name"] for p in root.glob("plugins/*/*/pyproject.toml")}
     assert names and names <= FIRST_PARTY, sorted(names - FIRST_PARTY)
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``package(name, manifest, init="")``: a plugin package on sys.path, ``__init__.py`` and ``omnirl.toml``
+    beside it; forgotten after the test."""
+    made = []
+
+    def make(name: str, manifest: str, init: str = "") -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(textwrap.dedent(init))
+        (tmp_path / name / "omnirl.toml").write_text(textwrap.dedent(manifest))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+MANIFEST = """
+    [[reward]]
+    name = "shade"
+    aliases = ["tint"]
+    factory = "builtins:object"
+    modality = ["image", "video"]
+    resources = { CPU = 1 }
+
+    [[algorithm]]
+    name = "shade-po"
+    factory = "builtins:object"
+    requires = ["flow-matching"]
+    needs_logprobs = false
+    [algorithm.preset_defaults.tiny.algorithm.options]
+    beta = 2.0
+
+    [[model]]
+    name = "shady"
+    factory = "builtins:object"
+    capabilities = ["flow-matching", "image"]
+    presets = ["tiny"]
+    limits = { tiny = { size_multiple = 8 }, default = { size_multiple = 16 } }
+    [model.preset_defaults.tiny]
+    extends = "omnirl_core.presets:TINY_IMAGE_DEFAULTS"
+    rollout = { height = 16 }
+    model.options.max_sequence_length = 16
+"""
+
+
+def test_a_manifest_registers_its_components_with_the_spec_types(package, manager: PluginManager):
+    from omnirl_core.presets import tiny_defaults
+    from omnirl_core.registry import AlgorithmSpec, ModelLimits
+
+    name = package("mf_shade", MANIFEST, init="""
+        from omnirl_core import hookimpl
+        from omnirl_core.registry import TrackerSpec
+
+
+        @hookimpl
+        def omnirl_register_trackers(register):  # a plugin may have both: a manifest and hooks
+            register(TrackerSpec(name="shade-log", factory="builtins:object"))
+    """)
+    manager.load_modules([name])
+    info = manager.plugins[name]
+    assert info.status == "ok", info.error
+    assert info.components == ["reward:shade", "algorithm:shade-po", "model:shady", "tracker:shade-log"]
+    reward = manager.resolve("reward", "tint")
+    assert isinstance(reward, RewardSpec) and reward.plugin == name
+    assert reward.modality == ("image", "video") and reward.resources == {"CPU": 1.0}
+    assert isinstance(reward.resources["CPU"], float) and reward.aliases == ("tint",)
+    algorithm = manager.resolve("algorithm", "shade-po")
+    assert isinstance(algorithm, AlgorithmSpec) and algorithm.requires == frozenset({"flow-matching"})
+    assert algorithm.needs_logprobs is False and algorithm.needs_reference is False  # the field's default
+    assert algorithm.preset_defaults == {"tiny": {"algorithm": {"options": {"beta": 2.0}}}}
+    model = manager.resolve("model", "shady")
+    assert model.capabilities == frozenset({"flow-matching", "image"}) and model.presets == ("tiny",)
+    assert model.limits == {"tiny": ModelLimits(size_multiple=8), None: ModelLimits(size_multiple=16)}
+    # extends: the rest of the preset's table deep-merged over the named dict
+    assert model.preset_defaults == {"tiny": tiny_defaults(rollout={"height": 16},
+                                                           model={"options": {"max_sequence_length": 16}})}
+    assert model.preset_defaults["tiny"]["rollout"]["width"] == 32
+    assert manager.resolve("tracker", "shade-log").plugin == name
+
+
+@pytest.mark.parametrize("manifest,key,message", [
+    ('[[reward]]\nname = "x"\nfactory = "builtins:object"\nbatch = false\n', "batch",
+     "unknown key 'batch'. Did you mean 'batched'?"),
+    ('[[reward]]\nname = "x"\nfactory = "builtins:object"\nbatched = "no"\n', "batched",
+     "'batched' must be a boolean, not a string"),
+    ('[[algorithm]]\nname = "x"\nfactory = "builtins:object"\nrequires = "flow-matching"\n', "requires",
+     "'requires' must be an array of strings, not a string"),
+    ('[[rewards]]\nname = "x"\nfactory = "builtins:object"\n', "rewards",
+     "unknown component kind [[rewards]]. Did you mean 'reward'?"),
+    ('[[reward]]\nname = "x"\n', "factory", "the key 'factory' is missing"),
+    ('[[model]]\nname = "x"\nfactory = "f:g"\n[model.recipe_defaults]\nextends = "omnirl_core.presets:NOPE"\n',
+     "extends", "'extends' = 'omnirl_core.presets:NOPE' does not load"),
+])
+def test_a_wrong_manifest_makes_the_plugin_broken(tmp_path, package, manager: PluginManager, manifest, key,
+                                                  message):
+    name = package(f"mf_bad_{key}", manifest)
+    module = importlib.import_module(name)
+    info = manager.register(module, name)
+    assert info.status == "broken" and info.components == []
+    assert str(tmp_path / name / "omnirl.toml") in info.error and message in info.error, info.error
+    assert all(len(registry) == 0 for registry in manager.registries.values())
+    strict = PluginManager()
+    strict.strict = True  # strict mode: a wrong manifest is fatal, as a failing hook is
+    with pytest.raises(PluginError, match=re.escape(message)):
+        strict.register(module, name)
+
+
+def test_every_first_party_manifest_is_valid_and_shipped():
+    import tomllib
+
+    from omnirl_core.manifest import parse_manifest
+
+    manifests = sorted(REPO.glob("plugins/*/*/omnirl_plugin_*/omnirl.toml"))
+    assert len(manifests) >= len(list(REPO.glob("plugins/*/*/pyproject.toml")))
+    for manifest in manifests:
+        package = manifest.parent.name
+        assert parse_manifest(manifest.read_text(), package, str(manifest)), manifest
+        setuptools = tomllib.loads((manifest.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+        shipped = setuptools.get("package-data", {}).get(package, [])
+        for data in manifest.parent.glob("*.toml"):  # the manifest, published.toml, environment.toml
+            assert data.name in shipped, f"{package}: add {data.name} to [tool.setuptools.package-data]"

@@ -47,6 +47,36 @@ def test_async_scores_during_the_rollout_sync_after(mode: str):
     assert timing.busy_s >= 0 and timing.rollout_s > 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_async_batches_what_piles_up_while_the_threads_are_busy(workers: int):
+    """The first call holds every thread until the rollout has yielded all samples: what finished meanwhile is
+    scored in batches of a fair share each (not one call per sample), each sample once, in its own place."""
+    release = threading.Event()
+    calls: list[list[float]] = []
+    lock = threading.Lock()
+
+    def reward(outputs, prompts):
+        with lock:
+            calls.append(list(outputs))
+        release.wait(timeout=10.0)
+        return [10.0 * o for o in outputs]
+
+    def rollout():
+        for i in range(9):
+            yield _sample(i)
+        release.set()
+
+    stream = RewardStream(RewardSet([RewardFn("r", reward)]), workers=workers, mode="async")
+    samples, timing = stream.run(rollout())
+    stream.close()
+    assert [s.reward for s in samples] == [10.0 * i for i in range(9)]
+    scored = sorted(o for call in calls for o in call)
+    assert scored == [float(i) for i in range(9)]  # each sample exactly once
+    assert len(calls) < 9 and max(len(c) for c in calls) > 1  # batched, not a call per sample
+    assert timing.calls == len(calls) == len(stream.batches)
+    assert max(len(c) for c in calls) <= -(-9 // workers)  # no thread takes more than its share
+
+
 def test_failures_in_streamed_scoring():
     def broken(outputs, prompts):
         raise RuntimeError("judge down")

@@ -208,7 +208,7 @@ class RunSection(Section):
         "process may use (affinity and cgroup quota). See omnirl_core.runtime.threads for the wait policy.",
     )
     reward_timeout_s: float | None = Field(
-        600.0, gt=0, description="Deadline of one reward call (a batch, or one sample in async mode), in seconds: "
+        600.0, gt=0, description="Deadline of one reward call (a batch of samples), in seconds: "
         "past it the call fails (a required reward fails the step, an optional one is dropped); None: no deadline.",
     )
     reward_max_failed_steps: int = Field(

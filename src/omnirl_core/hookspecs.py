@@ -1,6 +1,14 @@
-"""The hook specifications: the whole plugin API. Each receives a ``register`` callback.
+"""The hook specifications: registrations computed in Python. Each receives a ``register`` callback.
 
-A plugin module implements any of these with ``@omnirl_core.hookimpl``::
+A plugin usually declares its components as data, in an ``omnirl.toml`` manifest beside its
+``__init__.py`` (``omnirl_core.manifest``)::
+
+    [[reward]]
+    name = "my-reward"
+    factory = "my_pkg.reward:MyReward"
+
+A registration that must be computed implements the hook of its kind with ``@omnirl_core.hookimpl``
+instead (a plugin may have both)::
 
     @hookimpl
     def omnirl_register_rewards(register):
@@ -65,4 +73,5 @@ def omnirl_register_trackers(register: Register) -> None:
 
 
 KINDS = ("model", "algorithm", "engine", "reward", "device", "tracker")
+"""The component kinds: a manifest's tables (``[[model]]``, ...), the hooks ``omnirl_register_<kind>s``."""
 HOOK_FOR_KIND = {kind: f"omnirl_register_{kind}s" for kind in KINDS}

@@ -1,7 +1,9 @@
-"""Plugin discovery: entry points in the group ``omnirl.plugins``, each loaded on its own.
+"""Plugin discovery: entry points in the group ``omnirl.plugins``, each loaded on its own. A plugin declares
+its components in an ``omnirl.toml`` manifest beside its ``__init__.py`` (``omnirl_core.manifest``), or
+registers them from hooks (``omnirl_core.hookspecs``), or both.
 
-A plugin that fails to import, or whose hook raises, is recorded as broken with its error and skipped;
-it becomes an error only when a run selects one of its components, or always with
+A plugin that fails to import, whose manifest is wrong, or whose hook raises, is recorded as broken with its
+error and skipped; it becomes an error only when a run selects one of its components, or always with
 ``OMNIRL_STRICT_PLUGINS=1``.
 
 Environment:
@@ -24,7 +26,8 @@ from typing import Any
 import pluggy
 
 from omnirl_core import ENTRY_POINT_GROUP, PROJECT, hookspecs
-from omnirl_core.errors import PluginError
+from omnirl_core.errors import OmnirlError, PluginError
+from omnirl_core.manifest import manifest_specs
 from omnirl_core.registry import ComponentSpec, Registry
 
 
@@ -138,26 +141,31 @@ class PluginManager:
             self._mark_broken(info, exc)
             return
         self.plugins[info.name] = info
-        for kind, hook_name in hookspecs.HOOK_FOR_KIND.items():
-            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                if impl.plugin_name != info.name:
-                    continue
-                specs: list[ComponentSpec] = []
-                try:
+        try:
+            for spec in manifest_specs(plugin, info.name):
+                self._add(spec.kind, spec, info)
+            for kind, hook_name in hookspecs.HOOK_FOR_KIND.items():
+                for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                    if impl.plugin_name != info.name:
+                        continue
+                    specs: list[ComponentSpec] = []
                     impl.function(register=specs.append)
                     for spec in specs:
-                        spec.plugin = info.name
-                        spec.version = spec.version or info.version
-                        spec.first_party = info.distribution in FIRST_PARTY
-                        self.registries[kind].add(spec)
-                        info.components.append(f"{kind}:{spec.name}")
-                except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as a broken plugin
-                    self._mark_broken(info, exc)
-                    return
+                        self._add(kind, spec, info)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as a broken plugin
+            self._mark_broken(info, exc)
+
+    def _add(self, kind: str, spec: ComponentSpec, info: PluginInfo) -> None:
+        spec.plugin = info.name
+        spec.version = spec.version or info.version
+        spec.first_party = info.distribution in FIRST_PARTY
+        self.registries[kind].add(spec)
+        info.components.append(f"{kind}:{spec.name}")
 
     def _mark_broken(self, info: PluginInfo, exc: BaseException) -> None:
         info.status = "broken"
-        info.error = f"{type(exc).__name__}: {exc}"
+        hint = exc.hint if isinstance(exc, OmnirlError) and exc.hint else ""
+        info.error = f"{type(exc).__name__}: {exc}" + (f" {hint}" if hint else "")
         self.plugins[info.name] = info
         # drop whatever this plugin registered before it failed
         for registry in self.registries.values():

@@ -37,7 +37,8 @@ TINY_IMAGE_DEFAULTS: dict[str, Any] = {
 }
 """The values the first-party image models' ``tiny`` presets suggest (``ModelSpec.preset_defaults["tiny"]``):
 32x32 images, 6 steps, 4 prompts x 8 samples, LoRA r16 at lr 1e-2, the colour reward, 200 steps. A model
-with other needs merges its own on top (``tiny_defaults``)."""
+with other needs merges its own on top (in its manifest, ``extends = "omnirl_core.presets:TINY_IMAGE_DEFAULTS"``
+and its own keys beside; in Python, ``tiny_defaults``)."""
 
 
 def tiny_defaults(**overrides: Any) -> dict[str, Any]:

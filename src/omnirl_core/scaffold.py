@@ -1,8 +1,8 @@
 """``omnirl plugin new KIND NAME``: a plugin package that installs, is listed, and passes its own tests at once.
 
 Each kind's template is the smallest real plugin of that kind (a reward that scores, an algorithm that
-trains, a tracker that writes, a device that probes), with a test that uses the core's checks
-(``omnirl_core.testing``). Replace the logic, keep the shape.
+trains, a tracker that writes, a device that probes), declared in an ``omnirl.toml`` manifest, with a test
+that uses the core's checks (``omnirl_core.testing``). Replace the logic, keep the shape.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ test = ["pytest>=8"]
 [tool.setuptools]
 packages = ["{package}"]
 
+[tool.setuptools.package-data]
+{package} = ["omnirl.toml"]
+
 [tool.pytest.ini_options]
 addopts = "--import-mode=importlib"
 '''
@@ -48,33 +51,30 @@ pip install -e .          # then: omnirl list {listing} {name} --options
 pytest tests
 ```
 
-Replace the logic in `{package}/{module}.py`; the registration is in `{package}/__init__.py`
-(keep that module cheap to import: no torch). See CONTRIBUTING.md in the omnirl repository.
+Replace the logic in `{package}/{module}.py`; the {kind} is declared in `{package}/omnirl.toml`
+(keep `{package}/__init__.py` cheap to import: no torch). See CONTRIBUTING.md in the omnirl repository.
 '''
+
+INIT = '''"""omnirl {kind} plugin: {name} (declared in omnirl.toml). {about}"""
+'''
+
+MANIFEST = '''[[{kind}]]
+name = "{name}"
+description = "{description}"
+factory = "{package}.{module}:{factory}"
+'''
+CONFIG = 'config = "{package}.{module}:{cls}Options"\n'
 
 TEMPLATES: dict[str, dict[str, str]] = {
     "reward": {
         "listing": "rewards",
         "module": "reward",
         "deps": ', "torch>=2.4"',
-        "init": '''"""omnirl reward plugin: {name}. Importing this module is cheap: no torch."""
-
-from omnirl_core import hookimpl
-from omnirl_core.registry import RewardSpec
-
-
-@hookimpl
-def omnirl_register_rewards(register):
-    register(
-        RewardSpec(
-            name="{name}",
-            description="Mean brightness of an image, times a scale (replace with your objective).",
-            factory="{package}.reward:{cls}",
-            config="{package}.reward:{cls}Options",
-            modality="image",
-            default_prompts=["a bright sunny beach", "a white snowy field", "a lit lamp", "a glowing moon"],
-        )
-    )
+        "about": "Cheap to import: no torch.",
+        "description": "Mean brightness of an image, times a scale (replace with your objective).",
+        "factory": "{cls}",
+        "manifest": '''modality = "image"
+default_prompts = ["a bright sunny beach", "a white snowy field", "a lit lamp", "a glowing moon"]
 ''',
         "code": '''"""The {name} reward: called with a batch of decoded images (float tensors (3, H, W) in [0, 1]) and their
 prompts; returns one finite float per image, higher is better."""
@@ -123,25 +123,12 @@ def test_listed_and_loadable():
         "listing": "algos",
         "module": "algorithm",
         "deps": ', "torch>=2.4"',
-        "init": '''"""omnirl algorithm plugin: {name}. Importing this module is cheap: no torch."""
-
-from omnirl_core import hookimpl
-from omnirl_core.registry import AlgorithmSpec
-
-
-@hookimpl
-def omnirl_register_algorithms(register):
-    register(
-        AlgorithmSpec(
-            name="{name}",
-            description="A GRPO-style policy gradient on every SDE step (replace with your objective).",
-            factory="{package}.algorithm:{cls}",
-            config="{package}.algorithm:{cls}Options",
-            requires=frozenset({{"flow-matching", "sde-logprob"}}),
-            needs_logprobs=True,
-            needs_reference=True,
-        )
-    )
+        "about": "Cheap to import: no torch.",
+        "description": "A GRPO-style policy gradient on every SDE step (replace with your objective).",
+        "factory": "{cls}",
+        "manifest": '''requires = ["flow-matching", "sde-logprob"]  # the model capabilities it needs
+needs_logprobs = true
+needs_reference = true
 ''',
         "code": '''"""The {name} algorithm: FlowGRPO's structure (``FlowPolicyGradient``: group advantages, clipped ratio,
 exact Gaussian KL), with every denoising step stochastic and trained. Override ``plan`` (which steps are
@@ -202,23 +189,10 @@ def test_listed():
         "listing": "trackers",
         "module": "tracker",
         "deps": "",
-        "init": '''"""omnirl tracker plugin: {name}. Importing this module is cheap."""
-
-from omnirl_core import hookimpl
-from omnirl_core.registry import TrackerSpec
-
-
-@hookimpl
-def omnirl_register_trackers(register):
-    register(
-        TrackerSpec(
-            name="{name}",
-            description="Every step's metrics as CSV rows in RUN_DIR/{name}.csv (replace with your service).",
-            factory="{package}.tracker:{cls}",
-            config="{package}.tracker:{cls}Options",
-        )
-    )
-''',
+        "about": "Cheap to import.",
+        "description": "Every step's metrics as CSV rows in RUN_DIR/{name}.csv (replace with your service).",
+        "factory": "{cls}",
+        "manifest": "",
         "code": '''"""The {name} tracker: ``start`` once per run (``run.start_step`` > 1 on a resume), ``log`` per step,
 ``close`` at the end."""
 
@@ -281,26 +255,15 @@ def test_listed():
         "listing": "devices",
         "module": "device",
         "deps": "",
-        "init": '''"""omnirl hardware plugin: {name}. Importing this module is cheap (the probe imports what it needs)."""
-
-from omnirl_core import hookimpl
-from omnirl_core.registry import DeviceSpec
-
-
-@hookimpl
-def omnirl_register_devices(register):
-    register(
-        DeviceSpec(
-            name="{name}",
-            description="Replace: your accelerator's torch device, distributed backend and Ray resource.",
-            factory="{package}.device:probe",
-            torch_device="cpu",
-            backend="gloo",
-            ray_resource="CPU",
-            visible_devices_env="",
-            priority=-1,
-        )
-    )
+        "about": "Cheap to import: the probe imports what it needs.",
+        "description": "Replace: your accelerator's torch device, distributed backend and Ray resource.",
+        "factory": "probe",
+        "manifest": '''# the factory is the probe: () -> the number of usable devices; cheap, never raises
+torch_device = "cpu"
+backend = "gloo"
+ray_resource = "CPU"
+visible_devices_env = ""
+priority = -1  # --device auto picks the available device with the highest priority
 ''',
         "code": '''"""The {name} device's probe: how many devices this process can use. Cheap, and never raises (an
 exception would make the plugin look broken on machines without the device)."""
@@ -348,7 +311,11 @@ def new_plugin(kind: str, name: str, parent: Path = Path(".")) -> Path:
     files = {
         "pyproject.toml": PYPROJECT.format(**values),
         "README.md": README.format(**values),
-        f"{package}/__init__.py": t["init"].format(**values),
+        f"{package}/__init__.py": INIT.format(**values, about=t["about"]),
+        f"{package}/omnirl.toml": (MANIFEST.format(**values, description=t["description"].format(**values),
+                                                   factory=t["factory"].format(**values))
+                                   + (CONFIG.format(**values) if kind != "device" else "")
+                                   + t["manifest"].format(**values)),
         f"{package}/{t['module']}.py": t["code"].format(**values),
         f"tests/test_{package[len('omnirl_plugin_'):]}.py": t["test"].format(**values),
     }

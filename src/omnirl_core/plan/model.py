@@ -97,6 +97,12 @@ def on_meta(make: Callable[[], Any], dtype: Any) -> Any:
         return meta_cast(make(), dtype)
 
 
+def layers_builder(cls: Any, arch: dict[str, Any], dtype: Any, key: str = "num_layers") -> Callable[[int], Any]:
+    """A probe's ``build`` for a module configured by keyword arguments: ``cls(**arch)`` with ``key`` (its layer
+    count) set to the layers asked for, on ``meta`` in ``dtype``."""
+    return lambda layers: on_meta(lambda: cls(**{**arch, key: layers}), dtype)
+
+
 def pipeline_sizing(config: Any, components: dict[str, Any], trained: tuple[str, ...],
                     default_targets: tuple[str, ...], blocks: Iterable[Any], encoders: tuple[str, ...],
                     probe: DenoiserProbe | None, decoder: DecoderProbe | None) -> ModelSizing:

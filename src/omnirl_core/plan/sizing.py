@@ -19,6 +19,24 @@ class Published(NamedTuple):
     truncated: bool = False
 
 
+def published_counts(package: str, name: str = "published.toml") -> dict[tuple[str, str], Published]:
+    """The published parameter counts a model plugin ships as data (``published.toml`` in its package), by
+    ``(variant, component)``. Each ``[[count]]`` names its ``variants``, the ``component``, the ``value`` as
+    stated, its ``resolution``, the ``source`` and optionally ``truncated``."""
+    from importlib import resources
+
+    import tomllib
+
+    text = resources.files(package).joinpath(name).read_text(encoding="utf-8")
+    table: dict[tuple[str, str], Published] = {}
+    for entry in tomllib.loads(text)["count"]:
+        published = Published(float(entry["value"]), float(entry["resolution"]), entry["source"],
+                              bool(entry.get("truncated", False)))
+        for variant in entry["variants"]:
+            table[variant, entry["component"]] = published
+    return table
+
+
 def checkpoint_numel(module: Any) -> int:
     """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
     unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}

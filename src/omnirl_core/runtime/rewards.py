@@ -16,6 +16,7 @@ import math
 import numbers
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -187,9 +188,12 @@ class RewardTiming:
     """Reward time left after the rollout's end (sync: all of it; async: the tail)."""
     busy_s: float = 0.0
     """Reward compute summed over workers."""
+    calls: int = 0
+    """Reward calls made (each scores a batch of samples)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"time/rollout_s": self.rollout_s, "time/reward_s": self.wait_s, "time/reward_busy_s": self.busy_s}
+        return {"time/rollout_s": self.rollout_s, "time/reward_s": self.wait_s, "time/reward_busy_s": self.busy_s,
+                "reward/calls": float(self.calls)}
 
 
 class RewardPool:
@@ -235,10 +239,13 @@ class RewardPool:
 class RewardStream:
     """Scores a stream of finished samples on a pool of threads.
 
-    ``async``: each sample goes to a reward thread the moment the rollout yields it, so rewards overlap the
-    rest of the rollout; ``sync``: the whole batch is scored after the rollout (split over the threads).
-    Either way the caller gets every sample back scored: the update waits for the whole batch.
-    Threads suffice here: rewards spend their time in native code or I/O that releases the GIL.
+    ``async``: samples are scored while the rest of the rollout runs. A reward thread that is free takes the
+    samples that have finished and wait (its fair share of them: the pending count over the threads, at least
+    one), so an idle pool scores each sample the moment it comes, and a busy one scores what piled up in one
+    batched call instead of one call per sample (a learned reward's batched forward costs far less per image).
+    ``sync``: the whole batch is scored after the rollout (split over the threads). Either way the caller gets
+    every sample back scored: the update waits for the whole batch. Threads suffice here: rewards spend their
+    time in native code or I/O that releases the GIL.
     """
 
     def __init__(self, rewards: RewardSet, workers: int = 2, mode: str = "async"):
@@ -248,21 +255,37 @@ class RewardStream:
         self.workers = workers
         self.mode = mode
         self.pool = RewardPool(workers)
+        self.batches: list[int] = []
+        """Sizes of the last run's reward calls."""
 
     def _timed_score(self, samples: list[Sample]) -> float:
         start = time.perf_counter()
-        self.rewards.score(samples)
+        if samples:
+            self.batches.append(len(samples))
+            self.rewards.score(samples)
         return time.perf_counter() - start
+
+    def _score_pending(self, pending: deque, lock: threading.Lock) -> float:
+        with lock:
+            share = max(1, -(-len(pending) // self.workers))
+            batch = [pending.popleft() for _ in range(min(share, len(pending)))]
+        return self._timed_score(batch)
 
     def run(self, stream: Any) -> tuple[list[Sample], RewardTiming]:
         """Drain ``stream`` (an iterator of finished samples); returns (samples, timing)."""
         start = time.perf_counter()
         samples: list[Sample] = []
         futures = []
+        pending: deque = deque()
+        lock = threading.Lock()
+        self.batches = []
         for sample in stream:
             samples.append(sample)
             if self.mode == "async":
-                futures.append(self.pool.submit(self._timed_score, [sample]))
+                with lock:
+                    pending.append(sample)
+                # one job per sample: a job finds its sample already taken by a busier batch, or takes a share
+                futures.append(self.pool.submit(self._score_pending, pending, lock))
         rollout_end = time.perf_counter()
         if self.mode == "sync":
             size = -(-len(samples) // self.workers) if samples else 1
@@ -273,7 +296,7 @@ class RewardStream:
         finally:
             for f in futures:
                 f.cancel()  # a failed step leaves no queued work behind
-        timing = RewardTiming(rollout_end - start, time.perf_counter() - rollout_end, sum(results))
+        timing = RewardTiming(rollout_end - start, time.perf_counter() - rollout_end, sum(results), len(self.batches))
         return samples, timing
 
     def close(self) -> None:

@@ -341,6 +341,16 @@ def offline_error(setup: str, call: str) -> str:
     return text
 
 
+def check_unreachable_hub_id(loader: str, hub_id: str, name: str) -> str:
+    """A model plugin's ``loader`` (``"module:function"`` taking a path or hub id and a dtype) given a hub id
+    while the hub is unreachable: ``offline_error``'s checks, and the message says it could not load ``name``
+    from ``hub_id`` and names the tiny preset. Returns the message."""
+    module, _, function = loader.partition(":")
+    text = offline_error(f"import torch\nfrom {module} import {function}", f"{function}({hub_id!r}, torch.float32)")
+    assert f"Could not load {name} from {hub_id!r}" in text and "--preset tiny" in text, text
+    return text
+
+
 def check_import_is_cheap(module: str) -> None:
     """Importing ``module`` (a plugin's entry module) in a fresh process imports no torch: discovery stays cheap."""
     import subprocess
@@ -433,6 +443,14 @@ def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None,
         v = model.velocity(x, s, cond, guidance_scale, model.encode([" ", " "]))
     mean, std = step_mean("sde", x, v, s, s_next, 0.7)
     return -transition_logprob("sde", x_next, mean, std).mean()
+
+
+def checkpointing_pair(create_model: Any, section: Any, options: Any, device: str = "cpu") -> dict[bool, Any]:
+    """A model plugin's model built twice from ``section``, without and with gradient checkpointing
+    (``options(checkpointing)`` gives its options), each with the same non-zero adapter (``with_same_adapter``):
+    the pair ``check_checkpointed_gradients`` and ``check_checkpointing_keeps_fewer_activations`` compare, by
+    ``checkpointing``."""
+    return {c: with_same_adapter(create_model(section, options(c), device)) for c in (False, True)}
 
 
 def with_same_adapter(model: Any, seed: int = 0) -> Any:

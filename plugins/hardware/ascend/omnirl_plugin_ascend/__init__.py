@@ -1,11 +1,6 @@
 """omnirl hardware plugin: Huawei Ascend NPUs through torch-npu (hccl; Ray resource NPU;
 ASCEND_RT_VISIBLE_DEVICES). Importing this module is cheap: torch-npu is imported only by the probe."""
 
-from omnirl_core import hookimpl
-from omnirl_core.registry import DeviceSpec
-
-VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
-
 
 def probe() -> int:
     """Number of usable NPUs; 0 without torch-npu or hardware (never raises).
@@ -23,20 +18,3 @@ def probe() -> int:
         return int(torch.npu.device_count()) if torch.npu.is_available() else 0
     except Exception:  # noqa: BLE001  a probe must never take a run down (missing CANN libraries, ...)
         return 0
-
-
-@hookimpl
-def omnirl_register_devices(register):
-    register(
-        DeviceSpec(
-            name="ascend",
-            aliases=("npu",),
-            description="Huawei Ascend NPU via torch-npu; torch.distributed over hccl; Ray resource NPU.",
-            factory="omnirl_plugin_ascend:probe",
-            torch_device="npu",
-            backend="hccl",
-            ray_resource="NPU",
-            visible_devices_env=VISIBLE_DEVICES_ENV,
-            priority=20,
-        )
-    )

@@ -32,7 +32,8 @@ VAE_SHIFT_FACTOR = 0.1159
 
 @dataclass
 class LLMConfig:
-    """The Qwen2.5 language model with Mixture-of-Transformers layers (two experts per layer)."""
+    """The Qwen2.5 language model with Mixture-of-Transformers layers (two experts per layer): the keys of the
+    released ``llm_config.json`` that the model reads, Qwen2.5-7B's values by default."""
 
     hidden_size: int = 3584
     num_hidden_layers: int = 28

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnirl_core.plan.sizing import Published, check_variant, checkpoint_numel, lora_numel, training_bytes
+from omnirl_core.plan.sizing import (
+    check_variant,
+    checkpoint_numel,
+    lora_numel,
+    published_counts,
+    training_bytes,
+)
 from omnirl_plugin_bagel.config import VAE_SCALE_FACTOR, VAE_SHIFT_FACTOR, BagelConfig, LLMConfig
 from omnirl_plugin_bagel.model import LORA_TARGETS
 from omnirl_plugin_bagel.transformer import BagelTransformer
@@ -29,20 +35,8 @@ VIT = {"hidden_size": 1152, "intermediate_size": 4304, "num_attention_heads": 16
 MAX_LATENT_SIZE = 64
 VAE = AutoEncoderParams(ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2, z_channels=16)
 
-PUBLISHED: dict[tuple[str, str], Published] = {
-    ("bagel-7b-mot", "language_model"): Published(
-        14e9, 1e9, "BAGEL paper (arXiv:2505.14683) and model card: a Mixture-of-Transformer-Experts with 7B active "
-        "and 14B total parameters"),
-    ("bagel-7b-mot", "language_model.active"): Published(
-        7.61e9, 1e7, "Qwen2.5-7B model card (huggingface.co/Qwen/Qwen2.5-7B): Number of Parameters 7.61B; one expert "
-        "path of BAGEL is that model plus its QK-norm weights (the paper's '7B active')"),
-    ("bagel-7b-mot", "language_model.gen_expert"): Published(
-        6.53e9, 1e7, "Qwen2.5-7B model card: Number of Parameters (Non-Embedding) 6.53B; the generation expert is a "
-        "copy of the decoder layers (plus QK-norm and its final norm)"),
-    ("bagel-7b-mot", "vit"): Published(
-        4e8, 1e8, "SigLIP so400m/14 (arXiv:2305.13035): the 400M-parameter shape-optimised ViT; BAGEL keeps 26 of "
-        "its 27 layers and no pooling head"),
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 class _Understanding(nn.Module):

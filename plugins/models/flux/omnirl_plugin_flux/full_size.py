@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, checkpoint_numel
+from omnirl_core.plan.sizing import checkpoint_numel, published_counts
 
 VARIANTS = ("dev", "schnell")
 
@@ -27,17 +27,8 @@ VAE = {"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDe
        "block_out_channels": (128, 256, 512, 512), "layers_per_block": 2, "latent_channels": 16,
        "norm_num_groups": 32, "use_quant_conv": False, "use_post_quant_conv": False}
 
-_CARD = "Black Forest Labs model card (huggingface.co/black-forest-labs/FLUX.1-{}): a 12 billion parameter " \
-        "rectified flow transformer"
-PUBLISHED: dict[tuple[str, str], Published] = {
-    **{(v, "transformer"): Published(12e9, 1e9, _CARD.format(v)) for v in VARIANTS},
-    **{(v, "text_encoder_2"): Published(
-        4_762_310_656, 1, "the T5-v1.1-XXL encoder checkpoint FLUX.1 ships as text_encoder_2: 9,524,621,312 bytes "
-        "of bf16 tensors (its safetensors index's total_size), 2 bytes a parameter") for v in VARIANTS},
-    **{(v, "text_encoder"): Published(
-        123.65e6, 1e4, "OpenCLIP docs/model_profile.csv, text_mparams of ViT-L-14: 123.65M (with the 0.59M text "
-        "projection FLUX does not load)") for v in VARIANTS},
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 def full_size_components(variant: str = "dev") -> dict[str, torch.nn.Module]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from omnirl_core.plan.sizing import (
-    Published,
     check_variant,
     checkpoint_numel,
     component_counts,
     pipeline_training_bytes,
+    published_counts,
 )
 
 VARIANTS = ("qwen-image",)
@@ -48,25 +48,8 @@ TEXT_ENCODER = {
 }
 
 
-PUBLISHED: dict[tuple[str, str], Published] = {
-    ("qwen-image", "transformer"): Published(
-        20e9, 1e9, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: MMDiT, 20B"),
-    ("qwen-image", "vae.encoder"): Published(
-        54e6, 1e6, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: VAE encoder, 54M"),
-    ("qwen-image", "vae.decoder"): Published(
-        73e6, 1e6, "Qwen-Image Technical Report (arXiv:2508.02324), Table 1: VAE decoder, 73M"),
-    ("qwen-image", "vae"): Published(
-        127e6, 1e6, "Wan technical report (arXiv:2503.20314), Wan-VAE: 127M (Qwen-Image's VAE has its architecture)"),
-    ("qwen-image", "text_encoder"): Published(
-        8.292e9, 1e6, "tensors of the Qwen/Qwen2.5-VL-7B-Instruct checkpoint: 8.292B in total (tally on the "
-        "huggingface.co/OpenExplorer/Qwen2.5-VL-7B-Instruct model card; the hub page shows 8.29B)"),
-    ("qwen-image", "text_encoder.text"): Published(
-        7.61e9, 1e7, "Qwen2.5-7B model card (huggingface.co/Qwen/Qwen2.5-7B): Number of Parameters 7.61B, the "
-        "same decoder and LM head"),
-    ("qwen-image", "text_encoder.visual"): Published(
-        676.6e6, 1e5, "tensors of the Qwen/Qwen2.5-VL-7B-Instruct checkpoint: ViT 676.6M (tally on the "
-        "huggingface.co/OpenExplorer/Qwen2.5-VL-7B-Instruct model card)"),
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 def full_size_components(variant: str = "qwen-image") -> dict[str, torch.nn.Module]:

@@ -34,9 +34,6 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
     text = getattr(options, "max_sequence_length", 512)
     _, targets = plan.lora_settings(config, QwenImageModel.default_lora_targets)
 
-    def build(layers: int) -> torch.nn.Module:
-        return plan.on_meta(lambda: QwenImageTransformer2DModel(**{**TRANSFORMER, "num_layers": layers}), dtype)
-
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
         return {
@@ -47,7 +44,8 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
             "return_dict": False,
         }
 
-    return DenoiserProbe(build=build, layers=TRANSFORMER["num_layers"], blocks=lambda m: m.transformer_blocks,
+    return DenoiserProbe(build=plan.layers_builder(QwenImageTransformer2DModel, TRANSFORMER, dtype),
+                         layers=TRANSFORMER["num_layers"], blocks=lambda m: m.transformer_blocks,
                          inputs=inputs, lora_targets=targets,
                          key=("qwen-image", str(dtype), h, w, text, targets))
 

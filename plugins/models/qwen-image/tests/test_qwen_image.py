@@ -16,7 +16,7 @@ from omnirl_core.testing import (
     check_flow_model,
     check_logprob_consistency,
     check_lora_roundtrip,
-    offline_error,
+    check_unreachable_hub_id,
 )
 
 
@@ -86,9 +86,7 @@ def test_full_finetune_reference_is_a_frozen_copy(tiny_dir: Path):
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    text = offline_error("import torch\nfrom omnirl_plugin_qwen_image.model import load_pipeline",
-                         "load_pipeline('Qwen/Qwen-Image', torch.float32)")
-    assert "Could not load Qwen-Image from 'Qwen/Qwen-Image'" in text and "--preset tiny" in text
+    check_unreachable_hub_id("omnirl_plugin_qwen_image.model:load_pipeline", "Qwen/Qwen-Image", "Qwen-Image")
 
 
 def test_flow_model_contract(tiny_dir: Path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, check_variant, checkpoint_numel, pipeline_training_bytes
+from omnirl_core.plan.sizing import check_variant, checkpoint_numel, pipeline_training_bytes, published_counts
 
 VARIANTS = ("30b-a3b",)
 
@@ -41,19 +41,8 @@ THINKER = {
 }
 
 
-_REPORT = "Qwen3-Omni Technical Report (arXiv:2509.17765), Table 1:"
-_QWEN3_CARD = ("Qwen3-30B-A3B model card (huggingface.co/Qwen/Qwen3-30B-A3B), whose decoder the thinker's is (same "
-               "layers, experts and widths; 152,064 vocabulary rows instead of 151,936):")
-PUBLISHED: dict[tuple[str, str], Published] = {
-    ("30b-a3b", "thinker.text"): Published(30.5e9, 1e8, f"{_QWEN3_CARD} 30.5B in total"),
-    # 3.354B by the published config: "3.3B" is the figure cut, not rounded, to one decimal
-    ("30b-a3b", "thinker.text.active"): Published(3.3e9, 1e8, f"{_QWEN3_CARD} 3.3B activated", truncated=True),
-    ("30b-a3b", "thinker.audio_tower"): Published(650e6, 1e7, f"{_REPORT} audio encoder (AuT), 650M"),
-    ("30b-a3b", "thinker.visual"): Published(540e6, 1e7, f"{_REPORT} vision encoder (SigLIP2-So400M), 540M"),
-    ("30b-a3b", "thinker"): Published(
-        32e9, 1e9, "huggingface.co model listing of Qwen/Qwen3-Omni-30B-A3B-Thinking (a thinker-only checkpoint): 32B; "
-        "the report's name for the thinker is 30B-A3B"),
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 def full_size_components(variant: str = "30b-a3b") -> dict[str, torch.nn.Module]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, check_variant, component_counts, pipeline_training_bytes
+from omnirl_core.plan.sizing import check_variant, component_counts, pipeline_training_bytes, published_counts
 
 VARIANTS = ("medium", "large")
 
@@ -44,24 +44,8 @@ VAE = {"in_channels": 3, "out_channels": 3, "down_block_types": ("DownEncoderBlo
        "shift_factor": 0.0609, "use_quant_conv": False, "use_post_quant_conv": False}
 
 
-_OPENCLIP = "OpenCLIP docs/model_profile.csv (github.com/mlfoundations/open_clip), text_mparams of"
-_T5 = Published(
-    4_762_310_656, 1, "the T5-v1.1-XXL encoder checkpoint SD3.x ships as text_encoder_3 (FLUX.1 as text_encoder_2): "
-    "9,524,621,312 bytes of bf16 tensors (its safetensors index's total_size, as quoted in exo-explore/exo's FLUX.1 "
-    "model cards), 2 bytes a parameter; often rounded to 4.7B")
-_CLIP_L = Published(123.65e6, 1e4, f"{_OPENCLIP} ViT-L-14: 123.65M")
-_CLIP_G = Published(694.66e6, 1e4, f"{_OPENCLIP} ViT-bigG-14: 694.66M")
-PUBLISHED: dict[tuple[str, str], Published] = {
-    ("medium", "transformer"): Published(
-        2.5e9, 1e8, "Stability AI, SD3.5 model card (huggingface.co/stabilityai/stable-diffusion-3.5-medium) and "
-        "release post: 2.5 billion parameters"),
-    ("large", "transformer"): Published(
-        8.1e9, 1e8, "Stability AI, SD3.5 model card (huggingface.co/stabilityai/stable-diffusion-3.5-large) and "
-        "release post: 8.1 billion parameters"),
-    **{(v, "text_encoder"): _CLIP_L for v in VARIANTS},
-    **{(v, "text_encoder_2"): _CLIP_G for v in VARIANTS},
-    **{(v, "text_encoder_3"): _T5 for v in VARIANTS},
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 def full_size_components(variant: str = "medium") -> dict[str, torch.nn.Module]:

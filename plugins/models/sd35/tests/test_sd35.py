@@ -124,9 +124,7 @@ def test_layout_mismatch_and_bad_sizes_are_clear_errors(tiny_dirs, tmp_path: Pat
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    text = testing.offline_error("import torch\nfrom omnirl_plugin_sd35.model import load_pipeline",
-                                 "load_pipeline('stabilityai/stable-diffusion-3.5-medium', torch.float32)")
-    assert "Could not load SD3.5 from 'stabilityai/stable-diffusion-3.5-medium'" in text and "--preset tiny" in text
+    testing.check_unreachable_hub_id("omnirl_plugin_sd35.model:load_pipeline", "stabilityai/stable-diffusion-3.5-medium", "SD3.5")
 
 
 def test_importing_the_plugin_is_cheap():

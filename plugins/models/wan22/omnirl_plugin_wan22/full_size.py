@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import Published, check_variant, component_counts, pipeline_training_bytes
+from omnirl_core.plan.sizing import check_variant, component_counts, pipeline_training_bytes, published_counts
 
 VARIANTS = ("a14b", "ti2v-5b")
 
@@ -45,16 +45,8 @@ TEXT_ENCODER = {
 }
 
 
-_WAN22_CARD = "Wan2.2 model card / README (huggingface.co/Wan-AI/Wan2.2-T2V-A14B, github.com/Wan-Video/Wan2.2)"
-PUBLISHED: dict[tuple[str, str], Published] = {
-    # "each expert model has about 14B parameters, resulting in a total of 27B parameters but only 14B active
-    # parameters per step": the per-expert figure is what a config can be held to (2 x 14.29B is 28.6B, so the
-    # 27B total is not twice the expert size)
-    ("a14b", "transformer"): Published(14e9, 1e9, f"{_WAN22_CARD}: each expert about 14B"),
-    ("a14b", "transformer_2"): Published(14e9, 1e9, f"{_WAN22_CARD}: each expert about 14B"),
-    ("a14b", "vae"): Published(127e6, 1e6, "Wan technical report (arXiv:2503.20314), Wan-VAE: 127M"),
-    ("ti2v-5b", "transformer"): Published(5e9, 1e9, f"{_WAN22_CARD}: TI2V-5B, a 5B dense model"),
-}
+PUBLISHED = published_counts(__package__)
+"""Published parameter counts by (variant, component): ``published.toml`` beside this module."""
 
 
 def full_size_components(variant: str = "a14b") -> dict[str, torch.nn.Module]:

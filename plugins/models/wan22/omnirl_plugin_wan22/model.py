@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import (
     DenoiserModel,
+    DiffusersModelOptions,
     check_checkpoint_layout,
     create_flow_model,
     guided_velocity,
@@ -42,8 +43,10 @@ HIGH, LOW = "transformer", "transformer_2"
 LORA_FILES = {HIGH: "pytorch_lora_weights.safetensors", LOW: "pytorch_lora_weights_transformer_2.safetensors"}
 
 
-class Wan22Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Wan22Options(DiffusersModelOptions):
+    """With the common ones (``gradient_checkpointing``: recompute each transformer block in the backward pass,
+    much less training memory for long videos; ``tiny_seed``)."""
+
     layout: Literal["a14b", "ti2v-5b"] = Field(
         "a14b", description="a14b: two experts switched at a boundary sigma (T2V-A14B); ti2v-5b: one "
         "transformer and the 48-channel VAE (TI2V-5B). Picks the default checkpoint and the tiny architecture."
@@ -60,15 +63,10 @@ class Wan22Options(BaseModel):
         None, ge=1, description="a14b: CFG scale of the low-noise expert when CFG is on; None: "
         "rollout.guidance_scale for both experts."
     )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute each transformer block's activations in the backward pass (much less "
-        "training memory for long videos, about a third more compute; same numbers)."
-    )
     max_sequence_length: int = Field(
         512, ge=1, le=1024, description="Prompt tokens; UMT5 embeddings are zero-padded to this length as "
         "WanPipeline does (the transformer attends to the padding too)."
     )
-    tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
 
 
 class Wan22Model(DenoiserModel):

@@ -42,9 +42,6 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
     text = getattr(options, "max_sequence_length", 512)
     _, targets = plan.lora_settings(config, Wan22Model.default_lora_targets)
 
-    def build(layers: int) -> torch.nn.Module:
-        return plan.on_meta(lambda: WanTransformer3DModel(**{**arch, "num_layers": layers}), dtype)
-
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
         timestep = torch.empty(batch, tokens, **meta) if layout == "ti2v-5b" else torch.empty(batch, **meta)
@@ -53,8 +50,8 @@ def probe(config: Any, options: Any) -> DenoiserProbe:
                 "encoder_hidden_states": torch.empty(batch, text, TEXT_ENCODER["d_model"], **meta),
                 "return_dict": False}
 
-    return DenoiserProbe(build=build, layers=arch["num_layers"], blocks=lambda m: m.blocks, inputs=inputs,
-                         lora_targets=targets, key=("wan2.2", layout, str(dtype), frames, h, w, text, targets))
+    return DenoiserProbe(build=plan.layers_builder(WanTransformer3DModel, arch, dtype), layers=arch["num_layers"],
+                         blocks=lambda m: m.blocks, inputs=inputs, lora_targets=targets, key=("wan2.2", layout, str(dtype), frames, h, w, text, targets))
 
 
 def decoder(config: Any, options: Any) -> plan.DecoderProbe:

@@ -18,28 +18,29 @@ from omnirl_core.config import ModelSection
 LAYOUTS = ("a14b", "ti2v-5b")
 
 
-def _model(path: Path, layout: str, checkpointing: bool, device: str = "cpu"):
-    options = Wan22Options(layout=layout, max_sequence_length=16, gradient_checkpointing=checkpointing)
-    return testing.with_same_adapter(
-        create_model(ModelSection(name="wan2.2", preset="tiny", path=str(path)), options, device))
+def _build(path: Path, layout: str):
+    """``create_model``, the model section, and the options by ``checkpointing``."""
+    options = lambda c: Wan22Options(layout=layout, max_sequence_length=16, gradient_checkpointing=c)
+    return create_model, ModelSection(name="wan2.2", preset="tiny", path=str(path)), options
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
-    paths = {layout: save_tiny(tmp_path_factory.mktemp(f"wan-{layout}"), layout=layout, seed=3) for layout in LAYOUTS}
-    return {(layout, c): _model(paths[layout], layout, c) for layout in LAYOUTS for c in (False, True)}
+    return {layout: testing.checkpointing_pair(*_build(save_tiny(tmp_path_factory.mktemp(f"wan-{layout}"),
+                                                                 layout=layout, seed=3), layout))
+            for layout in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_checkpointing_gives_the_same_loss_and_gradients(models, layout: str):
     # sigma 0.9 and 0.5: both A14B experts; every adapter matrix of every trained expert gets a gradient
-    testing.check_checkpointed_gradients(models[layout, False], models[layout, True], 16, num_frames=5,
+    testing.check_checkpointed_gradients(models[layout][False], models[layout][True], 16, num_frames=5,
                                          min_nonzero=1.0)
 
 
 def test_checkpointing_keeps_far_fewer_activations_for_the_backward_pass(models):
     testing.check_checkpointing_keeps_fewer_activations(
-        models["a14b", False], models["a14b", True],
+        models["a14b"][False], models["a14b"][True],
         lambda m: [b for name in m.trained for b in m.experts[name].blocks], 32, num_frames=9)
 
 
@@ -47,5 +48,6 @@ def test_checkpointing_keeps_far_fewer_activations_for_the_backward_pass(models)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_checkpointing_lowers_peak_gpu_memory(tmp_path: Path):
     path = save_tiny(tmp_path / "a14b", layout="a14b", seed=3)
-    testing.check_checkpointing_lowers_peak_gpu_memory(lambda c: _model(path, "a14b", c, device="cuda"), 64,
-                                                       num_frames=17)
+    create, section, options = _build(path, "a14b")
+    testing.check_checkpointing_lowers_peak_gpu_memory(
+        lambda c: testing.with_same_adapter(create(section, options(c), "cuda")), 64, num_frames=17)

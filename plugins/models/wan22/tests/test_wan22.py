@@ -38,6 +38,10 @@ def _render(pipe, steps: int = 2):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_importing_the_plugin_is_cheap():
+    testing.check_import_is_cheap("omnirl_plugin_wan22")
+
+
 def test_tiny_preset_saves_and_reloads_through_from_pretrained(tiny_dirs, layout: str):
     path = tiny_dirs[layout]
     index = json.loads((path / "model_index.json").read_text())
@@ -229,13 +233,7 @@ def test_video_rewards_resolve_and_image_only_rewards_are_refused():
 
 
 def test_unreachable_hub_id_is_a_clear_error():
-    text = testing.offline_error("import torch\nfrom omnirl_plugin_wan22.model import load_pipeline",
-                                 "load_pipeline('Wan-AI/Wan2.2-T2V-A14B-Diffusers', torch.float32)")
-    assert "Could not load Wan2.2 from 'Wan-AI/Wan2.2-T2V-A14B-Diffusers'" in text and "--preset tiny" in text
-
-
-def test_importing_the_plugin_is_cheap():
-    testing.check_import_is_cheap("omnirl_plugin_wan22")
+    testing.check_unreachable_hub_id("omnirl_plugin_wan22.model:load_pipeline", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan2.2")
 
 
 @pytest.mark.parametrize("algo,layout", [("flowgrpo", "a14b"), ("dancegrpo", "a14b"), ("flowgrpo", "ti2v-5b")])
