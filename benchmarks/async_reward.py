@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--learned-rollout-threads", type=int, default=None,
                         help="run.rollout_threads for scenario (c): the cores the rollout leaves to the server "
                         "on the same machine")
+    parser.add_argument("--learned-nice", type=int, default=0, help="start the reward server at this nice level")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6
@@ -222,7 +223,8 @@ def run_learned(args, tmp: Path, result: dict) -> None:
     port = free_port()
     exe = Path(sys.executable).with_name("omnirl")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch in the server: one intra-op thread
-    server = subprocess.Popen([str(exe), "reward", "serve", args.learned, "--port", str(port),
+    nice = ["nice", "-n", str(args.learned_nice)] if args.learned_nice else []
+    server = subprocess.Popen([*nice, str(exe), "reward", "serve", args.learned, "--port", str(port),
                                *[x for o in options for x in ("--set", o)]], stderr=subprocess.PIPE, text=True,
                               env=env)
     try:

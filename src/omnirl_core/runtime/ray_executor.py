@@ -126,6 +126,56 @@ class RewardActor:
         return [(s.rewards, s.reward) for s in samples], time.perf_counter() - start
 
 
+class _RewardDispatch:
+    """Reward calls of one rollout over the reward actors' call slots (actors x ``reward_concurrency``), in the
+    order of the samples. Async: a sample goes at once to a free slot; while every slot is busy, samples wait, and
+    a slot that frees takes its fair share of them (the waiting count over the slots) in one call: fewer, larger
+    calls when the rewards lag behind, as the inline executor's reward threads do."""
+
+    def __init__(self, actors: list[Any], concurrency: int):
+        self.actors, self.concurrency = actors, concurrency
+        self.slots = len(actors) * concurrency
+        self.calls: list[Any] = []
+        self.pending: list[Any] = []
+        self._busy: dict[Any, int] = {}  # in-flight call -> its actor's index
+        self._load = [0] * len(actors)
+
+    def send(self, views: list[Any]) -> None:
+        index = min(range(len(self.actors)), key=self._load.__getitem__)
+        call = self.actors[index].score.remote(*views)
+        self.calls.append(call)
+        self._busy[call] = index
+        self._load[index] += 1
+
+    def _free(self, timeout: float | None) -> None:
+        import ray
+
+        if not self._busy:
+            return
+        done, _ = ray.wait(list(self._busy), num_returns=1 if timeout is None else len(self._busy), timeout=timeout)
+        for call in done:
+            self._load[self._busy.pop(call)] -= 1
+
+    def _send_shares(self) -> None:
+        while self.pending and len(self._busy) < self.slots:
+            share = max(1, -(-len(self.pending) // self.slots))
+            self.send(self.pending[:share])
+            del self.pending[:share]
+
+    def add(self, view: Any) -> None:
+        self.pending.append(view)
+        if len(self._busy) >= self.slots:
+            self._free(timeout=0)
+        self._send_shares()
+
+    def drain(self) -> None:
+        """After the rollout: every waiting sample sent, each share as a slot frees."""
+        self._send_shares()
+        while self.pending:
+            self._free(timeout=None)
+            self._send_shares()
+
+
 RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
 
 
@@ -194,7 +244,6 @@ class RayExecutor:
         self.reward_actors: list[Any] = []
         self.pools: list[Any] = []
         self._started_ray = False
-        self._next_reward = 0
         self.eval_weights_differ = False  # the algorithm evaluates other weights than it trains (an EMA)
 
     # -- placement -----------------------------------------------------------------------------
@@ -337,20 +386,24 @@ class RayExecutor:
                 self.sync_weights()
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
-        refs, views, calls = [], [], []
+        refs, views = [], []
+        dispatch = _RewardDispatch(self.reward_actors, self.resolved.config.run.reward_concurrency)
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation)
         for index, ref in enumerate(stream):  # a sample's reward view, then the sample
             if index % 2:
                 refs.append(ref)
                 continue
             views.append(ref)
-            if mode == "async":  # straight from the object store to a reward actor
-                calls.append(self._reward_actor().score.remote(ref))
+            if mode == "async":  # straight from the object store to a reward actor with a free call slot
+                dispatch.add(ref)
         rollout_end = time.perf_counter()
         if mode == "sync":  # one chunk per call slot: actors x the calls each serves at once
-            slots = len(self.reward_actors) * self.resolved.config.run.reward_concurrency
-            size = -(-len(views) // slots) if views else 1
-            calls = [self._reward_actor().score.remote(*views[i:i + size]) for i in range(0, len(views), size)]
+            size = -(-len(views) // dispatch.slots) if views else 1
+            for i in range(0, len(views), size):
+                dispatch.send(views[i:i + size])
+        else:
+            dispatch.drain()
+        calls = dispatch.calls
         samples: list[Sample] = ray.get(refs)
         results = ray.get(calls)
         end = time.perf_counter()
@@ -358,12 +411,7 @@ class RayExecutor:
         for sample, (rewards, total) in zip(samples, scores):
             sample.rewards, sample.reward = rewards, total
         return samples, {"time/rollout_s": rollout_end - start, "time/reward_s": end - rollout_end,
-                         "time/reward_busy_s": sum(busy for _, busy in results)}
-
-    def _reward_actor(self) -> Any:
-        actor = self.reward_actors[self._next_reward % len(self.reward_actors)]
-        self._next_reward += 1
-        return actor
+                         "time/reward_busy_s": sum(busy for _, busy in results), "time/reward_calls": float(len(calls))}
 
     def update(self, units: list[Any], step: int) -> dict[str, float]:
         """Every rank gets the units (one copy in the object store) and runs its own algorithm instance,

@@ -193,7 +193,7 @@ class RewardTiming:
 
     def metrics(self) -> dict[str, float]:
         return {"time/rollout_s": self.rollout_s, "time/reward_s": self.wait_s, "time/reward_busy_s": self.busy_s,
-                "reward/calls": float(self.calls)}
+                "time/reward_calls": float(self.calls)}
 
 
 class RewardPool:
