@@ -167,8 +167,11 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     judge, url = start_judge(latency)
     try:
         t0 = time.perf_counter()
-        # one request at a time per reward thread, as the latency above assumes (workers x reward_concurrency)
-        reward = {"name": "vlm-judge", "options": {"url": url, "model": "stand-in", "concurrency": 1}}
+        # workers x reward_concurrency requests in flight, as the latency above assumes: the judge's own
+        # `concurrency` bounds the requests in flight of one reward instance (all the inline reward threads
+        # share one; each Ray reward actor has its own)
+        in_flight = args.concurrency if args.executor == "ray" else workers * args.concurrency
+        reward = {"name": "vlm-judge", "options": {"url": url, "model": "stand-in", "concurrency": in_flight}}
         ctl = controller(tmp / "judge", workload(args, [reward], workers))
         result["vlm_judge"] = {
             "note": "The judge is a stand-in served over HTTP on this machine in another process, with a set "
