@@ -37,11 +37,11 @@ def _render(pipe, steps: int = 2):
                 generator=torch.Generator().manual_seed(0)).frames
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 def test_importing_the_plugin_is_cheap():
     testing.check_import_is_cheap("omnirl_plugin_wan22")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_tiny_preset_saves_and_reloads_through_from_pretrained(tiny_dirs, layout: str):
     path = tiny_dirs[layout]
     index = json.loads((path / "model_index.json").read_text())
