@@ -37,6 +37,8 @@ from omnirl_core.config import ModelSection
 from omnirl_core.interfaces import GenRequest, RolloutPlan
 
 MODES = ("step", "request", "single")
+DECODE_BATCH = 1
+"""The step-wise engine's ``decode_batch`` (``--decode-batch``; the static modes decode each batch as a whole)."""
 PROMPTS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
            for s in ("square", "circle on a grey field", "apple", "sky over a calm sea")]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -115,7 +117,9 @@ def run_mode(model: Any, requests: list[GenRequest], mode: str, max_num_seqs: in
              profile: bool = False) -> dict[str, Any]:
     from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine, DiffusersRolloutOptions
 
-    engine = DiffusersRolloutEngine(model, DiffusersRolloutOptions(mode=mode, max_num_seqs=max_num_seqs), "cpu")
+    options = DiffusersRolloutOptions(mode=mode, max_num_seqs=max_num_seqs,
+                                      decode_batch=DECODE_BATCH if mode == "step" else 1)
+    engine = DiffusersRolloutEngine(model, options, "cpu")
     engine.embeddings.lookup(sorted({r.prompt for r in requests}) + [" "])  # warm cache: rollout time only
     profiler = None
     if profile:
@@ -261,6 +265,9 @@ def main() -> None:
     parser.add_argument("--config", choices=("small", "tiny"), default="small")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (shared CPUs: 1).")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--decode-batch", type=int, default=1, help="the step-wise engine's rollout.options."
+                        "decode_batch: finished requests decoded together once this many have finished (1: each "
+                        "sample streamed out right after its last step, the default)")
     parser.add_argument("--uniform-repeats", type=int, default=5, help="step/request pairs on uniform.")
     parser.add_argument("--mixed-repeats", type=int, default=3, help="step/request pairs on mixed.")
     parser.add_argument("--uniform-requests", type=int, default=96)
@@ -273,6 +280,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="Small workloads, one repeat.")
     parser.add_argument("--out", type=Path, default=RESULTS / "rollout_batching.json")
     args = parser.parse_args()
+    global DECODE_BATCH
+    DECODE_BATCH = args.decode_batch
     if args.quick:
         args.uniform_requests, args.mixed_requests, args.train_steps = 32, 48, 2
         args.uniform_repeats = args.mixed_repeats = 1
@@ -322,6 +331,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "threads": args.threads},
         "config": {"model": args.config, "denoiser_parameters": denoiser_params, "max_num_seqs": args.max_num_seqs,
+                   "decode_batch": args.decode_batch,
                    "repeats": {"uniform": args.uniform_repeats, "mixed": args.mixed_repeats}},
         "workloads": {
             "uniform": {"requests": len(uniform), "size": 48, "steps": 8, "guidance_scale": 1.0,
