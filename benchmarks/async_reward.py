@@ -34,7 +34,8 @@ PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a n
 
 
 def workload(args, reward: list[dict], workers: int) -> dict:
-    run = {"reward_workers": workers, "reward_concurrency": args.concurrency, "seed": 3}
+    run = {"reward_workers": workers, "reward_concurrency": args.concurrency, "seed": 3,
+           "reward_batching": args.batching}
     if args.executor == "ray":  # a colocated actor+rollout worker on both cores, reward actors beside it
         run.update({"executor": "ray", "worker_cpus": 2.0})
     return {
@@ -122,6 +123,8 @@ def main() -> None:
                         help="run.rollout_threads for scenario (c): the cores the rollout leaves to the server "
                         "on the same machine")
     parser.add_argument("--learned-nice", type=int, default=0, help="start the reward server at this nice level")
+    parser.add_argument("--batching", action="store_true", help="run.reward_batching: a freed reward worker scores "
+                        "what finished meanwhile in one call")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.prompts, args.size, args.num_steps = 1, 4, 32, 6

@@ -66,7 +66,7 @@ def test_async_batches_what_piles_up_while_the_threads_are_busy(workers: int):
             yield _sample(i)
         release.set()
 
-    stream = RewardStream(RewardSet([RewardFn("r", reward)]), workers=workers, mode="async")
+    stream = RewardStream(RewardSet([RewardFn("r", reward)]), workers=workers, mode="async", batch_async=True)
     samples, timing = stream.run(rollout())
     stream.close()
     assert [s.reward for s in samples] == [10.0 * i for i in range(9)]

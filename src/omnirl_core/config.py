@@ -199,6 +199,11 @@ class RunSection(Section):
     reward_workers: int = Field(
         2, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray)."
     )
+    reward_batching: bool = Field(
+        False, description="async: a reward worker that frees up scores every sample that finished meanwhile (its "
+        "fair share) in one call, instead of one call per sample: far cheaper for a learned reward's batched "
+        "forward; which samples share a call then depends on timing.",
+    )
     reward_concurrency: int = Field(
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
         "on I/O, such as a remote judge, rather than adding reward processes.",

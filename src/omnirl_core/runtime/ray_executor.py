@@ -129,11 +129,11 @@ class RewardActor:
 class _RewardDispatch:
     """Reward calls of one rollout over the reward actors' call slots (actors x ``reward_concurrency``), in the
     order of the samples. Async: a sample goes at once to a free slot; while every slot is busy, samples wait, and
-    a slot that frees takes its fair share of them (the waiting count over the slots) in one call: fewer, larger
-    calls when the rewards lag behind, as the inline executor's reward threads do."""
+    a slot that frees takes the next one, or with ``batching`` (``run.reward_batching``) its fair share of them
+    (the waiting count over the slots) in one call: fewer, larger calls when the rewards lag behind."""
 
-    def __init__(self, actors: list[Any], concurrency: int):
-        self.actors, self.concurrency = actors, concurrency
+    def __init__(self, actors: list[Any], concurrency: int, batching: bool = True):
+        self.actors, self.concurrency, self.batching = actors, concurrency, batching
         self.slots = len(actors) * concurrency
         self.calls: list[Any] = []
         self.pending: list[Any] = []
@@ -158,7 +158,7 @@ class _RewardDispatch:
 
     def _send_shares(self) -> None:
         while self.pending and len(self._busy) < self.slots:
-            share = max(1, -(-len(self.pending) // self.slots))
+            share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
             self.send(self.pending[:share])
             del self.pending[:share]
 
@@ -387,7 +387,8 @@ class RayExecutor:
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
         refs, views = [], []
-        dispatch = _RewardDispatch(self.reward_actors, self.resolved.config.run.reward_concurrency)
+        run = self.resolved.config.run
+        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching)
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation)
         for index, ref in enumerate(stream):  # a sample's reward view, then the sample
             if index % 2:

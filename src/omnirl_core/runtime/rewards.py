@@ -239,18 +239,22 @@ class RewardPool:
 class RewardStream:
     """Scores a stream of finished samples on a pool of threads.
 
-    ``async``: samples are scored while the rest of the rollout runs. A reward thread that is free takes the
-    samples that have finished and wait (its fair share of them: the pending count over the threads, at least
-    one), so an idle pool scores each sample the moment it comes, and a busy one scores what piled up in one
-    batched call instead of one call per sample (a learned reward's batched forward costs far less per image).
+    ``async``: samples are scored while the rest of the rollout runs, one call each. With ``batch_async`` a
+    reward thread that is free takes the samples that have finished and wait (its fair share of them: the
+    pending count over the threads, at least one), so an idle pool scores each sample the moment it comes, and a
+    busy one scores what piled up in one batched call (a learned reward's batched forward costs far less per
+    image); which samples share a call then depends on timing.
     ``sync``: the whole batch is scored after the rollout (split over the threads). Either way the caller gets
     every sample back scored: the update waits for the whole batch. Threads suffice here: rewards spend their
     time in native code or I/O that releases the GIL.
     """
 
-    def __init__(self, rewards: RewardSet, workers: int = 2, mode: str = "async"):
+    def __init__(self, rewards: RewardSet, workers: int = 2, mode: str = "async", batch_async: bool = False):
         if mode not in ("async", "sync"):
             raise ValueError(f"reward mode must be 'async' or 'sync', got {mode!r}")
+        self.batch_async = batch_async
+        """Async: batch what piles up (below); False: one call per sample, so that a reward's calls do not depend
+        on timing (what the run uses until batching is an option of the run)."""
         self.rewards = rewards
         self.workers = workers
         self.mode = mode
@@ -282,10 +286,13 @@ class RewardStream:
         for sample in stream:
             samples.append(sample)
             if self.mode == "async":
-                with lock:
-                    pending.append(sample)
-                # one job per sample: a job finds its sample already taken by a busier batch, or takes a share
-                futures.append(self.pool.submit(self._score_pending, pending, lock))
+                if self.batch_async:
+                    with lock:
+                        pending.append(sample)
+                    # one job per sample: a job finds its sample already taken by a busier batch, or takes a share
+                    futures.append(self.pool.submit(self._score_pending, pending, lock))
+                else:
+                    futures.append(self.pool.submit(self._timed_score, [sample]))
         rollout_end = time.perf_counter()
         if self.mode == "sync":
             size = -(-len(samples) // self.workers) if samples else 1
