@@ -253,8 +253,8 @@ class RewardStream:
         if mode not in ("async", "sync"):
             raise ValueError(f"reward mode must be 'async' or 'sync', got {mode!r}")
         self.batch_async = batch_async
-        """Async: batch what piles up (below); False: one call per sample, so that a reward's calls do not depend
-        on timing (what the run uses until batching is an option of the run)."""
+        """Async: batch what piles up (``run.reward_batching``); False: one call per sample, so that which samples
+        share a call never depends on timing."""
         self.rewards = rewards
         self.workers = workers
         self.mode = mode
