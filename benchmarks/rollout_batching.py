@@ -37,7 +37,7 @@ from omnirl_core.config import ModelSection
 from omnirl_core.interfaces import GenRequest, RolloutPlan
 
 MODES = ("step", "request", "single")
-DECODE_BATCH = 1
+DECODE_BATCH: int | str = "auto"
 """The step-wise engine's ``decode_batch`` (``--decode-batch``; the static modes decode each batch as a whole)."""
 PROMPTS = [f"a {c} {s}" for c in ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
            for s in ("square", "circle on a grey field", "apple", "sky over a calm sea")]
@@ -265,9 +265,10 @@ def main() -> None:
     parser.add_argument("--config", choices=("small", "tiny"), default="small")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (shared CPUs: 1).")
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--decode-batch", type=int, default=1, help="the step-wise engine's rollout.options."
-                        "decode_batch: finished requests decoded together once this many have finished (1: each "
-                        "sample streamed out right after its last step, the default)")
+    parser.add_argument("--decode-batch", type=lambda v: v if v == "auto" else int(v), default="auto",
+                        help="the step-wise engine's rollout.options.decode_batch: finished requests decoded "
+                        "together once this many have finished (1: each sample streamed out right after its last "
+                        "step; auto, the default: 8 while requests queue, else 1)")
     parser.add_argument("--uniform-repeats", type=int, default=5, help="step/request pairs on uniform.")
     parser.add_argument("--mixed-repeats", type=int, default=3, help="step/request pairs on mixed.")
     parser.add_argument("--uniform-requests", type=int, default=96)

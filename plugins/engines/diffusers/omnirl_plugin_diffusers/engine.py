@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +32,8 @@ from omnirl_plugin_diffusers.scheduler import Batch, Scheduler, Slot, StaticSche
 from omnirl_plugin_diffusers.stats import RolloutStats
 
 _FP32_BYTES = 4
+AUTO_DECODE_BATCH = 8
+"""``decode_batch: auto``'s batch while requests queue (the static modes decode up to ``max_num_seqs`` at once)."""
 
 
 class DiffusersRolloutOptions(BaseModel):
@@ -49,12 +51,18 @@ class DiffusersRolloutOptions(BaseModel):
         1024, ge=0, description="Prompts whose conditioning is kept while the text encoder is unchanged "
         "(0: no cache, every request encodes its own prompt)."
     )
-    decode_batch: int = Field(
-        1, ge=1, description="Step-wise: finished requests are decoded once this many have finished (or nothing "
+    decode_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Step-wise: finished requests are decoded once this many have finished (or nothing "
         "else runs), in fewer, larger VAE calls. 1: each sample is decoded and handed out right after its last "
-        "step (what async rewards want); larger: more throughput when requests of mixed lengths finish a few at a "
-        "time, for later samples."
+        "step (what async rewards want). 'auto': 1 while no request waits for a slot (an RL wave that fits), "
+        f"{AUTO_DECODE_BATCH} while arrived requests queue behind the running ones (a serving load, where the "
+        "engine is throughput-bound and a held sample waits a few steps against a queue's seconds)."
     )
+
+
+def _queued(scheduler: Scheduler) -> bool:
+    """Whether a request that has arrived waits for a slot (the waiting list is in arrival order)."""
+    return bool(scheduler.waiting) and scheduler.waiting[0].arrival <= time.perf_counter()
 
 
 def _request_noise(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -125,7 +133,7 @@ class DiffusersRolloutEngine:
     def _serve(self, scheduler: Scheduler) -> Iterator[Sample]:
         stats = self.stats
         held: list[Slot] = []  # finished, waiting to be decoded with others (decode_batch)
-        hold = self.options.decode_batch if self.options.mode == "step" else 1
+        fixed = self.options.decode_batch if self.options.mode == "step" else 1
         while True:
             self._drain_inbox(scheduler)
             if scheduler.idle:
@@ -146,6 +154,7 @@ class DiffusersRolloutEngine:
                 stats.drain_calls += 1
                 stats.drain_useful_rows += len(batch.rows)
             held += scheduler.finish(batch)
+            hold = fixed if fixed != "auto" else AUTO_DECODE_BATCH if _queued(scheduler) else 1
             if held and (len(held) >= hold or not scheduler.active):
                 yield from self._retire(held)
                 held = []

@@ -152,12 +152,27 @@ def test_decode_batch_decodes_finished_requests_together(model):
         torch.testing.assert_close(sample.output, streamed[uid].output, rtol=0, atol=1e-4)
 
 
+def test_auto_decode_batch_holds_finished_requests_only_while_others_queue(model):
+    """decode_batch 'auto' (the default): with 2 slots and 4 requests, A (2 steps) and C (2 steps) finish while
+    D still queues and are held; once D has a slot nothing queues, and they are decoded together after the next
+    call; B (6 steps) and D finish together. With 1, each finished request is decoded at once (3 calls). An RL
+    wave that fits streams (test_step_mode_streams_each_sample_as_soon_as_it_is_done)."""
+    requests = [request(0, steps=2), request(1, steps=6), request(2, steps=2), request(3, steps=2)]
+    engine = DiffusersRolloutEngine(model, DiffusersRolloutOptions(mode="step", max_num_seqs=2), "cpu")
+    auto = [(s.request.uid, engine.stats.model_calls) for s in engine.generate(requests)]
+    assert sorted(auto) == [(0, 5), (1, 6), (2, 5), (3, 6)] and engine.stats.decode_calls == 2
+    engine = DiffusersRolloutEngine(model, DiffusersRolloutOptions(mode="step", max_num_seqs=2, decode_batch=1), "cpu")
+    streamed = [(s.request.uid, engine.stats.model_calls) for s in engine.generate(requests)]
+    assert streamed[:2] == [(0, 2), (2, 4)] and engine.stats.decode_calls == 3
+
+
 def test_a_lone_shape_is_not_stuck_behind_a_crowded_one(model):
     crowd = [request(i, size=32, steps=3) for i in range(8)]
     lone = request(8, size=64, steps=3)
     order = {}
     for mode in ("step", "request"):
-        samples, _ = run(model, crowd + [lone], mode=mode, max_num_seqs=2)
+        # decode_batch 1: the hand-out order is the finishing order ('auto' holds finished ones while others queue)
+        samples, _ = run(model, crowd + [lone], mode=mode, max_num_seqs=2, decode_batch=1)
         order[mode] = list(samples)
     # step-wise: the lone 64x64 request shares the turns and finishes with the first crowd batch
     assert order["step"].index(8) <= 2
