@@ -218,14 +218,20 @@ def random_clip(directory: Path, spec: str) -> Path:
 
 
 def run_learned(args, tmp: Path, result: dict) -> None:
-    import os
-
-    from omnirl_core.runtime.distributed import free_port
-
     options = args.learned_set or ["preset=tiny", "device=cpu"]
     if args.learned_clip:
         directory = random_clip(tmp / "clip", args.learned_clip)
         options = [f"path={directory}", f"processor_path={directory}", "device=cpu"]
+    if args.executor == "ray":  # the reward itself in each reward actor: a process of its own, no server
+        reward = {"name": args.learned, "options": dict(o.split("=", 1) for o in options)}
+        run_learned_with(args, tmp, result, reward, options,
+                         f"{args.learned} ({', '.join(options)}) in {args.learned_workers} Ray reward actor(s) "
+                         "of their own (1 torch thread each): a learned reward on its own worker.")
+        return
+    import os
+
+    from omnirl_core.runtime.distributed import free_port
+
     port = free_port()
     exe = Path(sys.executable).with_name("omnirl")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torch in the server: one intra-op thread
@@ -237,22 +243,29 @@ def run_learned(args, tmp: Path, result: dict) -> None:
         while "serving reward" not in (line := server.stderr.readline()):
             if not line and server.poll() is not None:
                 raise RuntimeError(f"the reward server for {args.learned} did not start")
-        t0 = time.perf_counter()
         reward = {"name": "remote", "options": {"url": f"http://127.0.0.1:{port}", "expect": args.learned}}
-        config = workload(args, [reward], args.learned_workers)
-        if args.learned_rollout_threads is not None:
-            config["run"]["rollout_threads"] = args.learned_rollout_threads
-        ctl = controller(tmp / "learned", config)
-        result["learned"] = {
-            "note": f"{args.learned} ({', '.join(options)}) served by `omnirl reward serve` in another process "
-                    "(1 torch thread), reached through the remote reward: a learned reward on its own worker.",
-            "reward": args.learned, "options": options, "reward_workers": args.learned_workers,
-            "clip": args.learned_clip, "rollout_threads": args.learned_rollout_threads,
-            **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
-        }
+        run_learned_with(args, tmp, result, reward, options,
+                         f"{args.learned} ({', '.join(options)}) served by `omnirl reward serve` in another process "
+                         "(1 torch thread), reached through the remote reward: a learned reward on its own worker.")
     finally:
         server.terminate()
         server.wait()
+
+
+def run_learned_with(args, tmp: Path, result: dict, reward: dict, options: list[str], note: str) -> None:
+    t0 = time.perf_counter()
+    config = workload(args, [reward], args.learned_workers)
+    if args.learned_rollout_threads is not None:
+        if args.executor == "ray":  # the rollout worker's CPUs size its torch pool
+            config["run"]["worker_cpus"] = float(args.learned_rollout_threads)
+        else:
+            config["run"]["rollout_threads"] = args.learned_rollout_threads
+    ctl = controller(tmp / "learned", config)
+    result["learned"] = {
+        "note": note, "reward": args.learned, "options": options, "reward_workers": args.learned_workers,
+        "clip": args.learned_clip, "rollout_threads": args.learned_rollout_threads,
+        **summary(alternate(ctl, args.steps)), "wall_s": time.perf_counter() - t0,
+    }
 
 
 if __name__ == "__main__":
