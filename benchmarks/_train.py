@@ -24,11 +24,12 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowg
            "omnirl_plugin_remote"]
 
 
-def controller(out: Path, overrides: dict[str, Any]) -> Controller:
+def controller(out: Path, overrides: dict[str, Any], plugins: tuple[str, ...] = ()) -> Controller:
+    """A controller over ``PLUGINS`` and ``plugins`` (more plugin modules)."""
     from omnirl_core.config import deep_merge
 
     manager = PluginManager()
-    manager.load_modules(PLUGINS)
+    manager.load_modules([*PLUGINS, *plugins])
     base = {"model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
             "run": {"output_dir": str(out), "device": "cpu", "save_every": 10_000, "sample_every": 10_000}}
     resolved = resolve_run(manager, [deep_merge(base, overrides)])
