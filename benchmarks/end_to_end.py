@@ -16,8 +16,10 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 
-Policies: ``default`` (omnirl's: ``omnirl_core.runtime.threads``), ``gomp`` (libgomp's own spin count, 300000),
-``passive`` (OMP_WAIT_POLICY=PASSIVE), ``spin=N`` (GOMP_SPINCOUNT=N).
+Policies: ``default`` (omnirl's: ``omnirl_core.runtime.threads``), ``adaptive`` (the default with
+``run.threads: adaptive``: a thread fewer while the process waits for CPUs), ``gomp`` (libgomp's own spin
+count, 300000), ``passive`` (OMP_WAIT_POLICY=PASSIVE), ``spin=N`` (GOMP_SPINCOUNT=N). The floor always runs
+with the full pool: it is the bare loop a user would write.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-POLICY_ENV = {"default": {}, "gomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+POLICY_ENV = {"default": {}, "adaptive": {}, "gomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def policy_env(name: str) -> dict[str, str]:
@@ -67,11 +69,11 @@ class Load:
 
 # -- the child: one policy -----------------------------------------------------------------------------
 
-def build(config: str, out: Path, steps: int) -> Any:
+def build(config: str, out: Path, steps: int, run_threads: str | None = None) -> Any:
     sys.path.insert(0, str(HERE))
     from _train import controller
 
-    overrides: dict[str, Any] = {"run": {"steps": 10_000}}
+    overrides: dict[str, Any] = {"run": {"steps": 10_000, "threads": run_threads}}
     if config == "small":
         from rollout_batching import build_model  # the rollout benchmark's 8-layer x 128 transformer
 
@@ -88,8 +90,19 @@ def build(config: str, out: Path, steps: int) -> Any:
     return ctl
 
 
-def floor(ctl: Any, step: int) -> dict[str, float]:
-    """The model calls of one step, back to back (see the module docstring)."""
+def floor(ctl: Any, step: int, pool: int) -> dict[str, float]:
+    """The model calls of one step, back to back (see the module docstring), on ``pool`` torch threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(pool)
+    try:
+        return _floor(ctl, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _floor(ctl: Any, step: int) -> dict[str, float]:
     import torch
 
     from omnirl_core.runtime.training import chunks
@@ -164,14 +177,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctl = build(args.config, Path(tmp), args.reps)
+        ctl = build(args.config, Path(tmp), args.reps, args.run_threads)
         policy = threads.configure(None).as_dict()
+        pool = policy["intra_op"]
+        policy["adaptive"] = args.run_threads == "adaptive"
         step = 1
         rows: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
         floors: dict[str, list[float]] = {"quiet": [], "loaded": []}
         for _ in range(args.warmup):
             ctl.train_step(step)
-            floor(ctl, step)
+            floor(ctl, step, pool)
             step += 1
         for _ in range(args.reps):
             for mode in ("quiet", "loaded"):
@@ -179,8 +194,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 with load:
                     for _ in range(args.steps):
                         record = ctl.train_step(step)
-                        rows[mode].append({k: record[k] for k in ("time/step_s", *PHASES) if k in record})
-                        floors[mode].append(floor(ctl, step)["floor_s"])
+                        rows[mode].append({k: record[k] for k in ("time/step_s", "threads/torch", *PHASES)
+                                           if k in record})
+                        floors[mode].append(floor(ctl, step, pool)["floor_s"])
                         step += 1
         ctl.executor.close()
         ctl.run_dir.unlock()
@@ -190,7 +206,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         phases = {k.split("/")[1]: statistics.median(r.get(k, 0.0) for r in rows[mode]) for k in PHASES}
         phases["other_s"] = step_s - sum(phases.values())
         out[mode] = {"step_s": step_s, "floor_s": statistics.median(floors[mode]), "phases": phases,
-                     "steps": [r["time/step_s"] for r in rows[mode]], "floors": floors[mode]}
+                     "steps": [r["time/step_s"] for r in rows[mode]], "floors": floors[mode],
+                     "update_threads": [r.get("threads/torch") for r in rows[mode]]}
         out[mode]["overhead"] = step_s / out[mode]["floor_s"]
     out["degradation"] = out["loaded"]["step_s"] / out["quiet"]["step_s"]
     out["bare_degradation"] = out["loaded"]["floor_s"] / out["quiet"]["floor_s"]
@@ -208,6 +225,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--load-threads", type=int, default=None, help="busy processes (default: one per core)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--run-threads", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_threads is None:
         from omnirl_core.runtime.threads import available_cpus
@@ -223,6 +241,8 @@ def main() -> None:
         env = {**os.environ, **policy_env(name)}
         cmd = [sys.executable, __file__, "--child", "--config", args.config, "--reps", str(args.reps),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--load-threads", str(args.load_threads)]
+        if name == "adaptive":
+            cmd += ["--run-threads", "adaptive"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"policy {name} failed:\n{proc.stderr[-3000:]}")

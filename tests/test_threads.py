@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from omnirl_core.runtime import threads
 
@@ -62,6 +64,137 @@ def test_configure_sizes_torch_and_reports_the_policy():
     try:
         policy = threads.configure(1)
         assert torch.get_num_threads() == 1 and policy.intra_op == 1 and policy.cpus >= 1
-        assert set(policy.as_dict()) == {"cpus", "intra_op", "inter_op", "spincount", "wait_policy"}
+        assert set(policy.as_dict()) == {"cpus", "intra_op", "inter_op", "spincount", "wait_policy", "adaptive"}
+        assert not policy.adaptive and threads.governor(policy) is None
+        adaptive = threads.configure("adaptive")
+        assert adaptive.adaptive and adaptive.intra_op == threads.available_cpus()
+        assert threads.governor(adaptive).ceiling == adaptive.intra_op
     finally:
         torch.set_num_threads(before)
+
+
+class _Clock:
+    """Scripted schedstat samples: each phase adds (CPU seconds, seconds waiting for a CPU) to one thread."""
+
+    def __init__(self):
+        self.run = self.wait = 0
+
+    def phase(self, cpu_s: float, wait_s: float) -> None:
+        self.run += int(cpu_s * 1e9)
+        self.wait += int(wait_s * 1e9)
+
+    def __call__(self) -> dict[str, tuple[int, int]]:
+        return {"1": (self.run, self.wait)}
+
+
+def _governor(ceiling: int = 4):
+    clock, applied = _Clock(), []
+    gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append)
+    return gov, clock, applied
+
+
+def test_governor_gives_up_threads_while_they_wait_and_takes_them_back_when_quiet():
+    gov, clock, applied = _governor(4)
+    for expected in (3, 2, 1, 1):  # waiting half the time: one thread fewer per phase, never below 1
+        clock.phase(1.0, 1.0)
+        assert gov.observe() == expected and gov.wait_share == 0.5
+    clock.phase(1.0, 0.1)  # between the thresholds: hold
+    assert gov.observe() == 1
+    for expected in (2, 3, 4, 4):  # quiet: one back per phase (patience 1), never above the ceiling
+        clock.phase(1.0, 0.0)
+        assert gov.observe() == expected
+    assert applied == [3, 2, 1, 1, 1, 2, 3, 4, 4]
+
+
+def test_governor_backs_off_when_a_thread_taken_back_makes_the_wait_return():
+    """A load that leaves room for 1 of 2 threads: each raise is undone at once, and the wait before the next
+    raise doubles (1, 2, 4 quiet phases), instead of flipping every phase."""
+    gov, clock, _ = _governor(2)
+    counts = []
+    for _ in range(14):
+        clock.phase(1.0, 0.5 if gov.threads == 2 else 0.0)  # two threads wait, one runs freely
+        counts.append(gov.observe())
+    assert counts == [1, 2, 1, 1, 2, 1, 1, 1, 1, 2, 1, 1, 1, 1]
+    assert gov.patience == 8
+
+
+def test_governor_adds_short_phases_to_the_next():
+    gov, clock, _ = _governor(2)
+    clock.phase(0.01, 0.01)  # 10 ms of CPU: too little to judge
+    assert gov.observe() == 2 and gov.wait_share == 0.0
+    clock.phase(0.09, 0.09)
+    assert gov.observe() == 1 and abs(gov.wait_share - 0.5) < 1e-9
+
+
+def test_own_schedstat_reads_this_process_threads():
+    sample = threads.own_schedstat()
+    if not sample:  # a kernel without schedstat: the governor then never sees a wait and keeps the ceiling
+        return
+    assert str(threading.get_native_id()) in sample
+    sum(i * i for i in range(200_000))  # some CPU time
+    again = threads.own_schedstat()[str(threading.get_native_id())]
+    assert again[0] > sample[str(threading.get_native_id())][0]
+
+
+def test_governor_sees_a_real_competing_load():
+    """One busy process per core beside torch's own pool: this process's threads wait for a CPU and the
+    governor gives up a thread. Holds under any extra load (more load, more waiting)."""
+    import torch
+
+    cpus = threads.available_cpus()
+    if cpus < 2 or not threads.own_schedstat():
+        return  # one core: nothing to give up; no schedstat: nothing to read
+    before = torch.get_num_threads()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(cpus)]
+    try:
+        torch.set_num_threads(cpus)
+        gov = threads.ThreadGovernor(cpus)
+        a = torch.randn(256, 256)
+        deadline = time.monotonic() + 20.0
+        while gov.threads == cpus and time.monotonic() < deadline:
+            for _ in range(200):
+                a = torch.tanh(a @ a)  # a phase of parallel work
+            gov.observe()
+        assert gov.threads < cpus, f"wait share {gov.wait_share:.2f} with {cpus} busy processes"
+        assert torch.get_num_threads() == gov.threads
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        torch.set_num_threads(before)
+
+
+def test_an_adaptive_run_reports_its_pool_per_step(tmp_path):
+    """run.threads: adaptive through the real controller (tiny Qwen-Image, inline): every step's row carries
+    the pool the update ran with and the wait share that set it, and runtime.json says the policy is adaptive."""
+    import json
+
+    import torch
+
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import resolve_run
+    from omnirl_core.runtime.controller import Controller
+
+    manager = PluginManager()
+    manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",
+                          "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_color"])
+    resolved = resolve_run(manager, [{
+        "model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "num_steps": 3, "height": 32, "width": 32},
+        "run": {"device": "cpu", "output_dir": str(tmp_path), "threads": "adaptive", "save_every": 100,
+                "sample_every": 100},
+    }])
+    before = torch.get_num_threads()
+    try:
+        ctl = Controller(resolved, tmp_path)
+        ctl.run_dir.prepare(resolved.dump(), [])
+        ctl.setup()
+        rows = [ctl.train_step(step) for step in (1, 2, 3)]
+        ctl.executor.close()
+    finally:
+        torch.set_num_threads(before)
+    for row in rows:
+        assert 1 <= row["threads/torch"] <= threads.available_cpus()
+        assert 0.0 <= row["threads/wait_share"] <= 1.0
+    runtime = json.loads((tmp_path / "runtime.json").read_text())
+    assert runtime["threads"]["adaptive"] is True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -208,9 +208,12 @@ class RunSection(Section):
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
         "on I/O, such as a remote judge, rather than adding reward processes.",
     )
-    threads: int | None = Field(
-        None, ge=1, description="CPU threads of torch's compute in each worker process; None: every core this "
-        "process may use (affinity and cgroup quota). See omnirl_core.runtime.threads for the wait policy.",
+    threads: Annotated[int, Field(ge=1)] | Literal["adaptive"] | None = Field(
+        None, description="CPU threads of torch's compute in each worker process; None: every core this "
+        "process may use (affinity and cgroup quota); 'adaptive': that many at most, one fewer while this "
+        "process's threads wait for a CPU much of the time (a machine other jobs load), re-judged before each "
+        "rollout and update; the count then depends on the load, so results are reproducible bit for bit only "
+        "with a fixed count. See omnirl_core.runtime.threads.",
     )
     reward_timeout_s: float | None = Field(
         600.0, gt=0, description="Deadline of one reward call (a batch of samples), in seconds: "

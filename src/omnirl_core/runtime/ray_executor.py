@@ -66,6 +66,7 @@ class WorkerActor:
 
     def generate(self, requests: list[GenRequest], evaluation: bool = False):
         """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
+        self.worker.adapt_threads()  # run.threads: adaptive
         for sample in self.worker.generate(requests, evaluation):
             yield reward_view(sample)
             yield sample

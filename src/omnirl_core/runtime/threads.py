@@ -11,6 +11,14 @@ stops the collapse; see ``benchmarks/end_to_end.py`` for the figures behind the 
 read by the OpenMP runtime when it loads, so ``apply_env`` must run before torch is imported (the CLI
 calls it first thing; Ray workers and rank processes inherit the environment); a value the user set
 in the environment always wins.
+
+``run.threads: adaptive`` goes further for machines that are shared all the time: between phases (before each
+rollout and each update) a ``ThreadGovernor`` reads how long this process's threads waited for a CPU while they
+were runnable (the kernel's per-thread schedstat) and gives up a torch thread while they wait much of the time,
+taking it back once they stop waiting. Other processes' load is seen through its effect on us, so it works the
+same in a container whose cgroup has a few CPUs of a busy host. The thread count then depends on the load, and
+floating-point reductions split over threads with it: a run is reproducible bit for bit only with a fixed count,
+which is why this is not the default.
 """
 
 from __future__ import annotations
@@ -54,6 +62,82 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     return None
 
 
+def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[int, int]]:
+    """Per thread of this process: (ns on a CPU, ns runnable but waiting for one), from
+    ``/proc/self/task/<tid>/schedstat``; empty where the kernel does not expose it."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            run, wait = (task_dir / tid / "schedstat").read_text().split()[:2]
+            out[tid] = (int(run), int(wait))
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+class ThreadGovernor:
+    """``run.threads: adaptive``: between phases, the torch intra-op pool sized to the cores this process gets.
+
+    ``observe()`` (before a rollout or an update) takes the share of the last phase's runnable time that this
+    process's threads spent waiting for a CPU: above ``drop_above`` it gives up a thread (never below 1), below
+    ``raise_below`` for ``patience`` phases in a row it takes one back (never above ``ceiling``). A thread taken
+    back that makes the wait jump again at once doubles the patience (up to 32 phases), so a load that leaves
+    room for some but not all threads does not flip the count every phase. Phases with less than
+    ``min_cpu_s`` of CPU time are added to the next one."""
+
+    def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
+                 sample: Any = own_schedstat, apply: Any = None):
+        self.ceiling = self.threads = max(1, ceiling)
+        self.drop_above, self.raise_below, self.min_ns = drop_above, raise_below, int(min_cpu_s * 1e9)
+        self.sample = sample
+        self.apply = apply if apply is not None else _set_torch_threads
+        self.patience, self._quiet, self._just_raised = 1, 0, False
+        self.wait_share = 0.0
+        """The last observed share of runnable time spent waiting."""
+        self._last = sample()
+
+    def observe(self) -> int:
+        now = self.sample()
+        run = wait = 0
+        for tid, (r, w) in now.items():
+            r0, w0 = self._last.get(tid, (0, 0))
+            run, wait = run + max(0, r - r0), wait + max(0, w - w0)
+        if run < self.min_ns:
+            return self.threads  # too little to judge: keep counting from the same start
+        self._last = now
+        self.wait_share = share = wait / (run + wait)
+        raised = False
+        if share > self.drop_above and self.threads > 1:
+            if self._just_raised:
+                self.patience = min(2 * self.patience, 32)
+            self.threads -= 1
+            self._quiet = 0
+        elif share < self.raise_below and self.threads < self.ceiling:
+            self._quiet += 1
+            if self._quiet >= self.patience:
+                self.threads += 1
+                self._quiet = 0
+                raised = True
+        elif share >= self.raise_below:
+            self._quiet = 0
+        if self.threads == self.ceiling and share < self.raise_below and not raised:
+            self.patience = 1  # back at full size and quiet: the load has gone
+        self._just_raised = raised
+        self.apply(self.threads)
+        return self.threads
+
+
+def _set_torch_threads(n: int) -> None:
+    import torch
+
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @dataclass
 class ThreadPolicy:
     cpus: int
@@ -66,6 +150,8 @@ class ThreadPolicy:
     """GOMP_SPINCOUNT in effect ('' when the OpenMP runtime's own default)."""
     wait_policy: str
     """OMP_WAIT_POLICY in effect ('' when unset)."""
+    adaptive: bool = False
+    """``run.threads: adaptive``: ``intra_op`` is the ceiling a ``ThreadGovernor`` moves under."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,11 +182,16 @@ def ray_assigned_cpus() -> int | None:
     return None if cpus is None else max(1, math.floor(cpus + 1e-9))
 
 
-def configure(threads: int | None = None) -> ThreadPolicy:
+def configure(threads: int | str | None = None) -> ThreadPolicy:
     """Size torch's pools: ``threads`` (``run.threads``), else the CPUs Ray assigned this actor, else every
-    available core; never more than available."""
+    available core; never more than available. ``adaptive``: the same size, as the ceiling of a
+    ``ThreadGovernor`` (``governor(policy)``)."""
     import torch
 
+    adaptive = threads == "adaptive"
+    if adaptive:
+        threads = None
+    assert threads is None or isinstance(threads, int)
     cpus = available_cpus()
     if threads is None:
         assigned = ray_assigned_cpus()
@@ -111,4 +202,9 @@ def configure(threads: int | None = None) -> ThreadPolicy:
     inter = torch.get_num_interop_threads()
     return ThreadPolicy(cpus=cpus, intra_op=intra, inter_op=inter,
                         spincount=os.environ.get("GOMP_SPINCOUNT", ""),
-                        wait_policy=os.environ.get("OMP_WAIT_POLICY", ""))
+                        wait_policy=os.environ.get("OMP_WAIT_POLICY", ""), adaptive=adaptive)
+
+
+def governor(policy: ThreadPolicy) -> ThreadGovernor | None:
+    """The policy's governor (``run.threads: adaptive``), or None for a fixed pool."""
+    return ThreadGovernor(policy.intra_op) if policy.adaptive else None

@@ -78,16 +78,26 @@ class Worker:
         self.model: Any = None
         self.rollout: Any = None
         self.trainer: Any = None
+        self.governor: Any = None
+
+    def adapt_threads(self) -> dict[str, float]:
+        """Before a phase (``run.threads: adaptive``): the torch pool resized to the cores this process gets;
+        the count and the wait share that set it, as metrics. Nothing with a fixed pool."""
+        if self.governor is None:
+            return {}
+        threads = self.governor.observe()
+        return {"threads/torch": float(threads), "threads/wait_share": self.governor.wait_share}
 
     def setup(self) -> None:
         import torch
 
         from omnirl_core.runtime.quiet import show_repeats_once
-        from omnirl_core.runtime.threads import configure
+        from omnirl_core.runtime.threads import configure, governor
 
         r = self.resolved
         cfg = r.config
         self.threads = configure(cfg.run.threads)
+        self.governor = governor(self.threads)  # run.threads: adaptive
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
@@ -154,9 +164,10 @@ class Worker:
         """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
         fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
         assert self.algorithm is not None
+        adapted = self.adapt_threads()
         metrics = self.trainer.update(self.algorithm, units, step, reference=reference)
         self.algorithm.after_update(self.model)  # e.g. DiffusionNFT folds the update into its EMA sampler
-        return metrics
+        return {**metrics, **adapted}  # the pool the update ran with
 
     def set_old_logprob(self, mode: str) -> None:
         """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""
