@@ -5,7 +5,8 @@ pytest the whole time, so the machine's load is about ``--load`` + what the test
     python benchmarks/suite_under_load.py --load 4 -- tests/test_main_job.py
 
 Writes ``benchmarks/results/suite_under_load.json``: the pytest exit code, its summary line, the wall time, and
-the load average sampled every 10 s. Not a timing figure: it checks that nothing breaks when the CPUs are shared.
+the load average sampled every 10 s; pytest's output goes to ``suite_under_load.log`` beside it as it runs
+(``-rA``: a line per test), so a run stopped early still shows how far it got. Not a timing figure: it checks that nothing breaks when the CPUs are shared.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("paths", nargs="*", help="test paths (default: the timing-sensitive selection)")
     args = parser.parse_args()
     paths = args.paths or TIMING_SENSITIVE
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop runs the finally below: no busy process left
     busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(args.load)]
     loads: list[float] = []
     stop = threading.Event()
@@ -46,15 +49,19 @@ def main() -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
+    log = HERE / "results" / "suite_under_load.log"
+    log.parent.mkdir(exist_ok=True)
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], cwd=ROOT,
-                              capture_output=True, text=True, check=False)
+        with log.open("w") as out:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *paths],
+                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, check=False)
     finally:
         stop.set()
         for p in busy:
             p.kill()
             p.wait()
     wall = time.perf_counter() - start
+    proc.stdout = log.read_text()
     summary = next((line for line in reversed(proc.stdout.splitlines()) if " in " in line and "=" in line),
                    proc.stdout.splitlines()[-1] if proc.stdout else "")
     failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
@@ -62,12 +69,12 @@ def main() -> None:
               "failures": failures, "wall_s": wall, "load_avg_samples": loads,
               "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     out = HERE / "results" / "suite_under_load.json"
-    out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{summary}\nexit {proc.returncode}, {wall:.0f} s, load average {min(loads, default=0):.1f}-"
           f"{max(loads, default=0):.1f}\n" + "\n".join(failures) + f"\nwrote {out}")
     if proc.returncode:
         print(proc.stdout[-6000:], file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
