@@ -27,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _train import controller, environment, mean, write
+from _train import controller, environment, mean, parse_sets, write
+
+from omnirl_core.config import deep_merge
 
 PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a neon sign reading "FLOW"',
            'a street sign that says "STOP"', 'a book cover titled "RL"', 'a banner that says "HELLO"',
@@ -39,7 +41,7 @@ def workload(args, reward: list[dict], workers: int) -> dict:
            "reward_batching": args.batching}
     if args.executor == "ray":  # a colocated actor+rollout worker on both cores, reward actors beside it
         run.update({"executor": "ray", "worker_cpus": 2.0})
-    return {
+    return deep_merge({
         "rewards": reward, "data": {"prompts": PROMPTS},
         "rollout": {"prompts_per_step": args.prompts, "group_size": 4, "num_steps": args.num_steps,
                     "height": args.size, "width": args.size,
@@ -47,7 +49,7 @@ def workload(args, reward: list[dict], workers: int) -> dict:
                     "options": {"max_num_seqs": 4}},
         "train": {"minibatches": 1},
         "run": run,
-    }
+    }, parse_sets(args.sets))
 
 
 def alternate(ctl, steps: int) -> dict:
@@ -131,6 +133,8 @@ def main() -> None:
                         help="run.rollout_threads for scenario (c): the cores the rollout leaves to the server "
                         "on the same machine")
     parser.add_argument("--learned-nice", type=int, default=0, help="start the reward server at this nice level")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for every scenario (repeatable), e.g. run.ray_worker_niceness=null")
     parser.add_argument("--batching", action="store_true", help="run.reward_batching: a freed reward worker scores "
                         "what finished meanwhile in one call")
     args = parser.parse_args()

@@ -1,70 +1,138 @@
 """Overhead of the Ray executor vs inline on the same tiny run.
 
-    python benchmarks/ray_overhead.py [--steps 4]
+    python benchmarks/ray_overhead.py [--rounds 3] [--steps 4] [--workloads larger]
+    python benchmarks/ray_overhead.py --set run.threads=adaptive      # a setting for both executors
+    python benchmarks/ray_overhead.py --ray-set run.worker_cpus=1     # a setting for the Ray runs only
+    python benchmarks/ray_overhead.py --ray-env GOMP_SPINCOUNT=1000   # an environment variable for them
 
-Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Inline first, then Ray (local instance,
-colocated actor+rollout worker with 2 CPUs, 2 reward actors). Both use 2 torch threads. Two workloads: the
-preset's (32 px, 6 steps: a step of a fraction of a second, where Ray's fixed per-step cost shows most) and
-a larger one (64 px, 10 steps, 16 prompts x 4). Reports per workload the mean step time over the steps after
-the first (and its rollout / train parts), the setup time, the ratios Ray / inline and the absolute
-overhead per step.
+Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Every run is a process of its own, as a user's
+would be (the inline runs never import Ray); Ray runs start a local instance with 3 logical CPUs: a colocated
+actor+rollout worker with 2 CPUs and 2 reward actors. Rounds alternate the order (inline first, then Ray
+first), so that the machine's drift hits both alike. Two workloads: the preset's (32 px, 6 steps: a step of
+a fraction of a second, where Ray's fixed per-step cost shows most) and a larger one (64 px, 10 steps,
+16 prompts x 4). Per run: the mean step time over the steps after the first, its rollout and train parts,
+the setup time; per workload: the ratio Ray / inline of each round and their median.
 Writes ``benchmarks/results/ray_overhead.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from _train import controller, environment, mean, write
+from _train import controller, environment, mean, parse_sets, write  # first: the thread policy, before torch
+
+from omnirl_core.config import deep_merge
 
 WORKLOADS = {
     "preset": {},
     "larger": {"rollout": {"prompts_per_step": 16, "group_size": 4, "num_steps": 10, "height": 64, "width": 64}},
 }
+RAY = {"executor": "ray", "worker_cpus": 2.0}
 
 
-def timed_run(out: Path, steps: int, run: dict, workload: dict) -> dict:
-    ctl = controller(out, {"rewards": [{"name": "color"}], "run": {"steps": steps, **run}, **workload})
-    t0 = time.perf_counter()
-    ctl.setup()
-    setup_s = time.perf_counter() - t0
-    records = [ctl.train_step(step) for step in range(1, steps + 1)]
-    ctl.executor.close()
+def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
+    """One run in this process (``--child``): returns its figures."""
+    import torch
+
+    torch.set_num_threads(2)
+    if mode == "ray":
+        import ray
+
+        ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    overrides = deep_merge({"rewards": [{"name": "color"}], "run": {"steps": steps}, **WORKLOADS[workload]}, sets)
+    try:
+        ctl = controller(Path(tempfile.mkdtemp(prefix="omnirl-bench-")), overrides)
+        t0 = time.perf_counter()
+        ctl.setup()
+        setup_s = time.perf_counter() - t0
+        records = [ctl.train_step(step) for step in range(1, steps + 1)]
+        ctl.executor.close()
+    finally:
+        if mode == "ray":
+            import ray
+
+            ray.shutdown()
     return {"setup_s": setup_s, "first_step_s": records[0]["time/step_s"],
             "step_s": mean(records[1:], "time/step_s"), "rollout_s": mean(records[1:], "time/rollout_s"),
-            "train_s": mean(records[1:], "time/train_s"), "reward_mean_last": records[-1]["reward/mean"]}
+            "train_s": mean(records[1:], "time/train_s"), "reward_mean_last": records[-1]["reward/mean"],
+            "load_avg_1m": os.getloadavg()[0]}
+
+
+def spawn(mode: str, workload: str, steps: int, sets: dict, env: dict[str, str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--workload", workload, "--steps", str(steps),
+                           "--sets-json", json.dumps(sets)], capture_output=True, text=True, check=False,
+                          env={**os.environ, **env})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} {workload} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (inline, Ray) runs, alternating the order")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out of the means")
+    parser.add_argument("--workloads", default="preset,larger", help=f"comma-separated: {', '.join(WORKLOADS)}")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for both executors (repeatable)")
+    parser.add_argument("--ray-set", dest="ray_sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for the Ray runs only (repeatable)")
+    parser.add_argument("--ray-env", dest="ray_env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the Ray runs only, e.g. GOMP_SPINCOUNT=1000 (repeatable; "
+                        "Ray's workers get the OpenMP ones)")
+    parser.add_argument("--child", choices=("inline", "ray"), help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--sets-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    import ray
+    if args.child:
+        print(json.dumps(child(args.child, args.workload, args.steps, json.loads(args.sets_json))))
+        return
+    both = parse_sets(args.sets)
+    settings = {"inline": both, "ray": deep_merge(deep_merge(both, {"run": RAY}), parse_sets(args.ray_sets))}
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    envs = {"inline": {}, "ray": dict(item.split("=", 1) for item in args.ray_env)}
+    result: dict = {"environment": environment(), "steps": args.steps, "rounds": args.rounds, "settings": settings,
+                    "ray_env": envs["ray"]}
+    runs: dict = {w: {"inline": [], "ray": []} for w in workloads}
+    for round_ in range(args.rounds):
+        for workload in workloads:
+            for mode in (("inline", "ray") if round_ % 2 == 0 else ("ray", "inline")):
+                run = spawn(mode, workload, args.steps, settings[mode], envs[mode])
+                runs[workload][mode].append(run)
+                print(f"round {round_ + 1} {workload} {mode}: step {run['step_s']:.3f}s (rollout "
+                      f"{run['rollout_s']:.3f}s, train {run['train_s']:.3f}s), load {run['load_avg_1m']:.1f}",
+                      flush=True)
+    for workload in workloads:
+        a, b = runs[workload]["inline"], runs[workload]["ray"]
+        ratios = [rb["step_s"] / ra["step_s"] for ra, rb in zip(a, b)]
 
-    tmp = Path(tempfile.mkdtemp(prefix="omnirl-bench-"))
-    torch.set_num_threads(2)
-    result: dict = {"environment": environment(), "steps": args.steps}
-    inline = {name: timed_run(tmp / f"inline-{name}", args.steps, {}, w) for name, w in WORKLOADS.items()}
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    try:
-        on_ray = {name: timed_run(tmp / f"ray-{name}", args.steps, {"executor": "ray", "worker_cpus": 2.0}, w)
-                  for name, w in WORKLOADS.items()}
-    finally:
-        ray.shutdown()
-    for name in WORKLOADS:
-        a, b = inline[name], on_ray[name]
-        result[name] = {"inline": a, "ray": b, "step_time_ratio": b["step_s"] / a["step_s"],
-                        "overhead_per_step_s": b["step_s"] - a["step_s"],
-                        "setup_time_ratio": b["setup_s"] / a["setup_s"],
-                        "same_last_reward": abs(b["reward_mean_last"] - a["reward_mean_last"]) < 1e-5}
-        print(f"{name}: step inline {a['step_s']:.2f}s ray {b['step_s']:.2f}s ratio "
-              f"{result[name]['step_time_ratio']:.2f} (+{result[name]['overhead_per_step_s']:.3f}s/step); setup "
-              f"inline {a['setup_s']:.1f}s ray {b['setup_s']:.1f}s")
+        def med(rs: list[dict], key: str) -> float:
+            return statistics.median(r[key] for r in rs)
+
+        result[workload] = {
+            "inline": a, "ray": b, "step_time_ratios": ratios, "step_time_ratio_median": statistics.median(ratios),
+            "median": {mode: {k: med(rs, k) for k in ("step_s", "rollout_s", "train_s", "setup_s")}
+                       for mode, rs in (("inline", a), ("ray", b))},
+            "same_last_reward": all(abs(x["reward_mean_last"] - a[0]["reward_mean_last"]) < 1e-5 for x in a + b),
+        }
+        m = result[workload]["median"]
+        print(f"{workload}: step inline {m['inline']['step_s']:.3f}s ray {m['ray']['step_s']:.3f}s | ratio per round "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}, median {result[workload]['step_time_ratio_median']:.2f} | "
+              f"rollout {m['inline']['rollout_s']:.2f} vs {m['ray']['rollout_s']:.2f}s, train "
+              f"{m['inline']['train_s']:.2f} vs {m['ray']['train_s']:.2f}s | same rewards: "
+              f"{result[workload]['same_last_reward']}")
     print(f"wrote {write('ray_overhead', result)}")
+
 
 if __name__ == "__main__":
     main()

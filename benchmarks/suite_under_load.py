@@ -54,7 +54,8 @@ def main() -> None:
     try:
         with log.open("w") as out:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *paths],
-                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, check=False)
+                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, check=False,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each result as it comes
     finally:
         stop.set()
         for p in busy:

@@ -146,6 +146,26 @@ def test_actors_size_torch_to_the_cpus_ray_assigned_them(ray_cluster, tmp_path: 
             ray.kill(actor)
 
 
+@pytest.mark.parametrize("setting", [0, None])
+def test_actors_run_at_the_niceness_the_run_sets(ray_cluster, tmp_path: Path, setting):
+    """run.ray_worker_niceness: 0 runs every actor at the driver's priority; None keeps Ray's default, which
+    renices workers by 15 (other processes on a busy node then take the actors' CPUs)."""
+    import os
+
+    from omnirl_core.runtime.ray_executor import RayExecutor
+
+    executor = RayExecutor(_resolved(tmp_path, executor="ray", ray_worker_niceness=setting))
+    executor.setup()
+    try:
+        actors = [*executor.train, *executor.reward_actors]
+        got = ray.get([a.__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0)) for a in actors],
+                      timeout=120)
+    finally:
+        executor.close()
+    driver = os.getpriority(os.PRIO_PROCESS, 0)
+    assert got == [driver if setting == 0 else min(19, driver + 15)] * len(actors)
+
+
 def test_a_worker_group_runs_in_its_own_runtime_environment(ray_cluster, inline_metrics, tmp_path: Path):
     """run.ray_runtime_envs: the reward group's actors start through another interpreter (here a wrapper that
     records each process it starts, then runs this venv's python) with their own variables; the run is the

@@ -13,6 +13,10 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare, each serving
            ``run.reward_concurrency`` calls at once (threads, for rewards that wait on I/O).
 
+Every actor runs at ``run.ray_worker_niceness`` (0: the driver's priority). Ray's own default renices its workers
+to 15, so that any other process on the node runs first; on a node that is busy with anything else (data
+loading, a reward server, another job) the rollout and the update then get a sliver of the CPUs.
+
 Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator; each finished sample
 becomes two objects in Ray's store, its reward view (output, prompt, inputs: what rewards read) and the
 sample. In async mode the controller hands each view to a reward actor the moment it appears (it goes
@@ -283,7 +287,11 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
-        runtime_env = group_runtime_env(self.resolved.config.run.ray_runtime_envs.get(group), group)
+        run = self.resolved.config.run
+        runtime_env = group_runtime_env(run.ray_runtime_envs.get(group), group) or {}
+        if run.ray_worker_niceness is not None:  # read by the worker's Ray core when it starts; the group's own wins
+            runtime_env["env_vars"] = {"RAY_worker_niceness": str(run.ray_worker_niceness),
+                                       **runtime_env.get("env_vars", {})}
         if runtime_env:
             options = {**options, "runtime_env": runtime_env}
         return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
