@@ -133,28 +133,28 @@ def test_pools_larger_than_the_cluster_fail_at_once(ray_cluster, tmp_path: Path)
 
 def test_actors_size_torch_to_the_cpus_ray_assigned_them(ray_cluster, tmp_path: Path):
     """Ray does not pin actors to cores: each sizes torch's pools to its own CPUs, not to the machine's."""
-    from omnirl_core.runtime.ray_executor import RewardActor
+    from omnirl_core.runtime.ray_executor import RewardActor, actor_runtime_env
     from omnirl_core.runtime.threads import available_cpus, ray_assigned_cpus
 
     assert ray_assigned_cpus() is None  # the driver
     resolved = _resolved(tmp_path)
     for cpus, expected in ((0.5, 1), (1, 1), (2, min(2, available_cpus()))):  # one at a time: a 2-CPU cluster
-        actor = ray.remote(RewardActor).options(num_cpus=cpus).remote(resolved)
+        options = {"num_cpus": cpus, "runtime_env": actor_runtime_env(resolved.config.run, "reward")}
+        actor = ray.remote(RewardActor).options(**options).remote(resolved)
         try:
             assert ray.get(actor.torch_threads.remote(), timeout=120) == expected, cpus
         finally:
             ray.kill(actor)
 
 
-@pytest.mark.parametrize("setting", [0, None])
-def test_actors_run_at_the_niceness_the_run_sets(ray_cluster, tmp_path: Path, setting):
-    """run.ray_worker_niceness: 0 runs every actor at the driver's priority; None keeps Ray's default, which
-    renices workers by 15 (other processes on a busy node then take the actors' CPUs)."""
+def test_actors_run_at_the_drivers_priority(ray_cluster, tmp_path: Path):
+    """run.ray_worker_niceness (0 by default) runs every actor at the driver's priority, where Ray's own default
+    renices workers by 15 (any other process on a busy node then takes the actors' CPUs first)."""
     import os
 
     from omnirl_core.runtime.ray_executor import RayExecutor
 
-    executor = RayExecutor(_resolved(tmp_path, executor="ray", ray_worker_niceness=setting))
+    executor = RayExecutor(_resolved(tmp_path, executor="ray"))
     executor.setup()
     try:
         actors = [*executor.train, *executor.reward_actors]
@@ -162,8 +162,20 @@ def test_actors_run_at_the_niceness_the_run_sets(ray_cluster, tmp_path: Path, se
                       timeout=120)
     finally:
         executor.close()
-    driver = os.getpriority(os.PRIO_PROCESS, 0)
-    assert got == [driver if setting == 0 else min(19, driver + 15)] * len(actors)
+    assert got == [os.getpriority(os.PRIO_PROCESS, 0)] * len(actors)
+
+
+def test_the_niceness_setting_reaches_each_actors_runtime_environment(tmp_path: Path):
+    from omnirl_core.runtime.ray_executor import actor_runtime_env
+
+    def env(**run):
+        return actor_runtime_env(_resolved(tmp_path, executor="ray", **run).config.run, "reward")
+
+    assert env() == {"env_vars": {"RAY_worker_niceness": "0"}}
+    assert env(ray_worker_niceness=5) == {"env_vars": {"RAY_worker_niceness": "5"}}
+    assert env(ray_worker_niceness=None) == {}  # Ray's own (15)
+    own = {"reward": {"env_vars": {"RAY_worker_niceness": "10", "X": "1"}}}
+    assert env(ray_runtime_envs=own) == {"env_vars": {"RAY_worker_niceness": "10", "X": "1"}}
 
 
 def test_a_worker_group_runs_in_its_own_runtime_environment(ray_cluster, inline_metrics, tmp_path: Path):

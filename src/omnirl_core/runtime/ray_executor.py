@@ -207,6 +207,17 @@ def group_runtime_env(spec: dict[str, Any] | None, group: str) -> dict[str, Any]
     return out
 
 
+def actor_runtime_env(run: Any, group: str) -> dict[str, Any]:
+    """The runtime_env of one of the run's actors: its group's (``run.ray_runtime_envs``), with
+    ``RAY_worker_niceness`` from ``run.ray_worker_niceness``, which the worker's Ray core reads when it starts (a
+    value in the group's own env_vars wins)."""
+    runtime_env = group_runtime_env(run.ray_runtime_envs.get(group), group) or {}
+    if run.ray_worker_niceness is not None:
+        runtime_env["env_vars"] = {"RAY_worker_niceness": str(run.ray_worker_niceness),
+                                   **runtime_env.get("env_vars", {})}
+    return runtime_env
+
+
 def _actor_resources(resource: str, cpus: float) -> dict[str, Any]:
     """Ray actor options for one worker on a device whose Ray resource is ``resource``."""
     if resource == "CPU":
@@ -287,11 +298,7 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
-        run = self.resolved.config.run
-        runtime_env = group_runtime_env(run.ray_runtime_envs.get(group), group) or {}
-        if run.ray_worker_niceness is not None:  # read by the worker's Ray core when it starts; the group's own wins
-            runtime_env["env_vars"] = {"RAY_worker_niceness": str(run.ray_worker_niceness),
-                                       **runtime_env.get("env_vars", {})}
+        runtime_env = actor_runtime_env(self.resolved.config.run, group)
         if runtime_env:
             options = {**options, "runtime_env": runtime_env}
         return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
