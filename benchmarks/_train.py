@@ -38,23 +38,6 @@ def controller(out: Path, overrides: dict[str, Any], plugins: tuple[str, ...] = 
     return ctl
 
 
-def parse_sets(items: list[str]) -> dict:
-    """``a.b=v`` items into a nested dict (values read as JSON where they parse, else as strings)."""
-    out: dict = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def mean(records: list[dict[str, Any]], key: str) -> float:
     values = [r[key] for r in records if key in r]
     return statistics.fmean(values) if values else float("nan")

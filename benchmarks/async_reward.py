@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _train import controller, environment, mean, parse_sets, write
+from _train import controller, environment, mean, write
 
-from omnirl_core.config import deep_merge
+from omnirl_core.config import deep_merge, parse_set
 
 PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the word "OMNI"', 'a neon sign reading "FLOW"',
            'a street sign that says "STOP"', 'a book cover titled "RL"', 'a banner that says "HELLO"',
@@ -49,7 +49,7 @@ def workload(args, reward: list[dict], workers: int) -> dict:
                     "options": {"max_num_seqs": 4}},
         "train": {"minibatches": 1},
         "run": run,
-    }, parse_sets(args.sets))
+    }, parse_set(args.sets))
 
 
 def alternate(ctl, steps: int) -> dict:

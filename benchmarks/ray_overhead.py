@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _train import controller, environment, mean, parse_sets, write  # first: the thread policy, before torch
+from _train import controller, environment, mean, write  # first: the thread policy, before torch
 
-from omnirl_core.config import deep_merge
+from omnirl_core.config import deep_merge, parse_set
 
 WORKLOADS = {
     "preset": {},
@@ -94,8 +94,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.workload, args.steps, json.loads(args.sets_json))))
         return
-    both = parse_sets(args.sets)
-    settings = {"inline": both, "ray": deep_merge(deep_merge(both, {"run": RAY}), parse_sets(args.ray_sets))}
+    both = parse_set(args.sets)
+    settings = {"inline": both, "ray": deep_merge(deep_merge(both, {"run": RAY}), parse_set(args.ray_sets))}
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:

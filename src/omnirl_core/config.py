@@ -179,7 +179,7 @@ class RunSection(Section):
         1.0, gt=0, description="Ray: CPUs each actor/rollout worker reserves (fractions share a small machine)."
     )
     ray_worker_niceness: int | None = Field(
-        0, ge=-20, le=19,
+        0, ge=0, le=19,
         description="Ray: the niceness of omnirl's actors. Ray's own default, 15, lets every other process on the "
         "node run first: a node that is busy with anything else starves the rollout, the update and the rewards. "
         "0 runs them as the driver runs; None keeps Ray's setting.",
