@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from omnirl_core.plugins import PluginManager, set_plugin_manager
+from omnirl_core.testing.forkserver import run_omnirl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +23,6 @@ def manager():
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 300):
-    """Run the real `omnirl` console script in a subprocess."""
-    full_env = {**os.environ, **(env or {})}
-    exe = Path(sys.executable).with_name("omnirl")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full_env,
-                          cwd=str(cwd) if cwd else None, timeout=timeout, check=False)
+    """Run the real `omnirl` console script in a process of its own (forked from a server that has imported
+    torch and co. already: ``omnirl_core.testing.forkserver``)."""
+    return run_omnirl(list(args), env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+
+from omnirl_core.testing.forkserver import run_omnirl, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +50,8 @@ def _env() -> dict[str, str]:
 def _omnirl(out: Path, steps: int, *, crash: tuple[str, int, str] | None = None) -> subprocess.CompletedProcess:
     args = [*ARGS, "--steps", str(steps), "--output-dir", str(out)]
     if crash is None:
-        cmd = [str(Path(sys.executable).with_name("omnirl")), *args]
-    else:
-        cmd = [sys.executable, str(DRIVER), crash[0], str(crash[1]), crash[2], "--", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600, check=False)
+        return run_omnirl(args, env=_env(), timeout=600)
+    return run_script(DRIVER, [crash[0], str(crash[1]), crash[2], "--", *args], env=_env(), timeout=600)
 
 
 def _final(out: Path) -> dict[str, object]:

@@ -364,12 +364,11 @@ def check_import_is_cheap(module: str) -> None:
 def installed_algorithms() -> set[str]:
     """The names ``omnirl list algos`` shows: an end-to-end test skips an algorithm plugin not installed."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
+    from omnirl_core.testing.forkserver import run_omnirl
+
+    out = run_omnirl(["list", "algos", "--format", "json"])
+    assert out.returncode == 0, out.stderr[-3000:]
     return {a["name"] for a in json.loads(out.stdout)}
 
 
@@ -377,13 +376,11 @@ def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, An
     """Drive the real ``omnirl train`` console script into ``run_dir`` (an end-to-end test); asserts it exits
     0 and returns the run's metrics records."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    exe = Path(sys.executable).with_name("omnirl")
-    result = subprocess.run([str(exe), "train", "-o", str(run_dir), *args], capture_output=True, text=True,
-                            timeout=timeout, check=False)
+    from omnirl_core.testing.forkserver import run_omnirl
+
+    result = run_omnirl(["train", "-o", str(run_dir), *args], timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -407,20 +404,32 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     """A reward plugin's end-to-end check: ``omnirl train`` on the model's tiny preset with ``--reward reward``
     (``args``: more flags, e.g. ``--set rewards.0.options.preset=tiny``) for ``steps`` steps, through the real
     CLI; the mean reward of the last 10 steps must exceed the first 10's by at least 2 standard errors."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from omnirl_core.testing.forkserver import run_omnirl
 
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run([str(exe), "train", "--model", model, "--algo", algo, "--preset", "tiny",
-                           "--reward", reward, "--steps", str(steps), "--output-dir", str(run_dir), *args],
-                          capture_output=True, text=True, env=dict(os.environ), timeout=3600, check=False)
+    proc = run_omnirl(["train", "--model", model, "--algo", algo, "--preset", "tiny", "--reward", reward,
+                       "--steps", str(steps), "--output-dir", str(run_dir), *args], timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last, se = reward_rise(run_dir)
     print(f"{reward}: first 10 {first:.4f}, last 10 {last:.4f}, SE {se:.4f}, {(last - first) / se:.1f} SE")
     assert last - first >= 2 * se, (first, last, se)
     return first, last, se
+
+
+def check_reward_in_a_run(run_dir: Any, reward: str, *args: str, steps: int = 2, model: str = "qwen-image",
+                          algo: str = "flowgrpo") -> list[dict[str, Any]]:
+    """A reward plugin's end-to-end wiring: ``omnirl train`` on the model's tiny preset with ``--reward reward``
+    for ``steps`` steps through the real CLI. Every step has its row with a finite ``reward/<reward>``, and the
+    scores differ between the samples of a step. (That training raises the reward is ``check_reward_rises``, a
+    run of minutes: a ``long`` test.)"""
+    import math
+
+    rows = run_train(run_dir, "--model", model, "--algo", algo, "--preset", "tiny", "--reward", reward,
+                     "--steps", str(steps), *args)
+    assert [row["step"] for row in rows] == list(range(1, steps + 1)), rows
+    key = f"reward/{reward}"
+    assert all(key in row and math.isfinite(row[key]) for row in rows), [row.get(key) for row in rows]
+    assert any(row["reward/std"] > 0 for row in rows), "every sample got the same score"
+    return rows
 
 
 def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None,

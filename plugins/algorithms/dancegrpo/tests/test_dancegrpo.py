@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from omnirl_plugin_dancegrpo.algorithm import DanceGRPO, DanceGRPOConfig, extrem
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.sampler import sample_step, step_mean, transition_logprob
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _config(**rollout) -> RunConfig:
@@ -130,12 +129,10 @@ def test_best_worst_k_keeps_the_extremes_of_each_group():
 @pytest.mark.slow
 def test_cli_run_with_two_rewards(tmp_path: Path):
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "dancegrpo", "--preset", "tiny", "--output-dir",
-         str(run), "--steps", "2", "--reward", "color", "--reward", "jpeg:0.1", "--set", "rollout.prompts_per_step=2",
-         "--set", "rollout.group_size=4", "--set", "algorithm.options.best_worst_k=2"],
-        capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(["train", "--model", "qwen-image", "--algo", "dancegrpo", "--preset", "tiny", "--output-dir",
+                       str(run), "--steps", "2", "--reward", "color", "--reward", "jpeg:0.1", "--set", "rollout.prompts_per_step=2",
+                       "--set", "rollout.group_size=4", "--set", "algorithm.options.best_worst_k=2"],
+                       timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2

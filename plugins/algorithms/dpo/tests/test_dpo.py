@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +19,7 @@ from omnirl_core.config import ModelSection, RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.interfaces import GenRequest
 from omnirl_core.runtime.training import MetricMean, prepare_all
+from omnirl_core.testing.forkserver import run_omnirl
 
 PROMPTS = ["a red square", "a blue square"]
 
@@ -195,11 +194,9 @@ def test_offline_pairs_are_encoded_in_prepare(model, tmp_path: Path):
 
 def _cli(tmp_path: Path, *extra: str) -> list[dict]:
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "dpo", "--preset", "tiny", "--output-dir", str(run),
-         "--steps", "2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4", *extra],
-        capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(["train", "--model", "qwen-image", "--algo", "dpo", "--preset", "tiny", "--output-dir", str(run),
+                       "--steps", "2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4", *extra],
+                       timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from omnirl_core.config import RunConfig
 from omnirl_core.rundir.checkpoint import ALGORITHM_TENSORS, EVAL_WEIGHTS
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 class Params:
@@ -103,8 +103,7 @@ def test_kl_reduction_sum_is_the_whole_transition_kl():
 
 
 def omnirl(*args: str) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("omnirl")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=600, check=False)
+    return run_omnirl([*args], timeout=600)
 
 
 @pytest.mark.slow

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from omnirl_plugin_flowgrpo.algorithm import FlowGRPO, FlowGRPOConfig
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.sampler import sample_step, step_mean, transition_logprob
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _config(num_steps: int = 6) -> RunConfig:
@@ -91,11 +90,9 @@ def test_window_variant_is_sde_and_trained_only_in_the_window():
 
 def _cli(tmp_path: Path, *extra: str) -> list[dict]:
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny", "--output-dir",
-         str(run), "--steps", "2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4", *extra],
-        capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny", "--output-dir",
+                       str(run), "--steps", "2", "--set", "rollout.prompts_per_step=2",
+                       "--set", "rollout.group_size=4", *extra], timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +15,7 @@ from omnirl_plugin_grpo_guard.algorithm import GRPOGuard, GRPOGuardConfig, norma
 from omnirl_core.config import RunConfig
 from omnirl_core.flow.policy_gradient import clipped_surrogate
 from omnirl_core.flow.sampler import gaussian_kl, sample_step, step_mean, transition_logprob
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _gaussian_pair(h: float, n: int = 4000, dims: int = 64, seed: int = 0, shift: float | None = None):
@@ -98,12 +97,9 @@ def test_guard_asks_the_trainer_for_the_old_means():
 @pytest.mark.parametrize("mode", ["recompute", "bypass"])
 def test_cli_run(tmp_path: Path, mode: str):
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "grpo-guard", "--preset", "tiny", "--output-dir",
-         str(run), "--steps", "2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-         "--set", f"train.old_logprob={mode}"],
-        capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(["train", "--model", "qwen-image", "--algo", "grpo-guard", "--preset", "tiny", "--output-dir",
+                       str(run), "--steps", "2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+                       "--set", f"train.old_logprob={mode}"], timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from omnirl_plugin_mixgrpo.algorithm import MixGRPO, MixGRPOConfig, mixed_plan, 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.sampler import sample_step
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _config(num_steps: int = 10, seed: int = 0) -> RunConfig:
@@ -190,11 +189,10 @@ def test_flash_rollout_runs_the_schedule_subset_with_second_order_steps():
 
 def _train(tmp_path: Path, *extra: str) -> list[dict]:
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    args = [str(exe), "train", "--model", "qwen-image", "--algo", "mixgrpo", "--preset", "tiny",
+    args = ["train", "--model", "qwen-image", "--algo", "mixgrpo", "--preset", "tiny",
             "--output-dir", str(run), "--steps", "2", "--set", "rollout.prompts_per_step=2",
             "--set", "rollout.group_size=4", *extra]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(args, timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

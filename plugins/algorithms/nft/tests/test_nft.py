@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from omnirl_plugin_nft.algorithm import DiffusionNFT, NFTConfig, nft_loss, optim
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import UsageError
 from omnirl_core.rl.ema import ShadowParameters
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _config() -> RunConfig:
@@ -166,12 +165,9 @@ def test_rollout_is_deterministic_ode_without_training_steps():
 @pytest.mark.slow
 def test_cli_run_samples_with_the_ema_policy(tmp_path: Path):
     run = tmp_path / "run"
-    exe = Path(sys.executable).with_name("omnirl")
-    proc = subprocess.run(
-        [str(exe), "train", "--model", "qwen-image", "--algo", "nft", "--preset", "tiny", "--output-dir", str(run),
-         "--steps", "3", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
-         "--set", "algorithm.options.ema_rate=0.3"],
-        capture_output=True, text=True, timeout=600, env={**os.environ}, check=False)
+    proc = run_omnirl(["train", "--model", "qwen-image", "--algo", "nft", "--preset", "tiny", "--output-dir", str(run),
+                       "--steps", "3", "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+                       "--set", "algorithm.options.ema_rate=0.3"], timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # step 1: the sampler is the policy; from step 2 on it lags behind the trained weights (lam 0.3, 0.5)

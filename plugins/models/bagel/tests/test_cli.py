@@ -7,15 +7,12 @@ CPU cores (the rise: about 110 s of CPU, 5-7 minutes wall under the shared load)
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from omnirl_core.testing import reward_rise, run_train
+from omnirl_core.testing import installed_algorithms, reward_rise, run_train
 
 LONG = pytest.mark.skipif(not os.environ.get("OMNIRL_BAGEL_LONG"),
                           reason="not for CI (minutes on 2 CPU cores): set OMNIRL_BAGEL_LONG=1")
@@ -23,9 +20,7 @@ FLOW_ALGORITHMS = ("flowgrpo", "mixgrpo", "dancegrpo", "grpo-guard", "dpo", "nft
 
 
 def _installed_algorithms() -> set[str]:
-    exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
-    return {a["name"] for a in json.loads(out.stdout)}
+    return installed_algorithms()
 
 
 def _train(run: Path, algo: str, steps: int, *extra: str) -> list[dict]:

@@ -4,10 +4,6 @@ network, and ``omnirl plan --model bagel`` through the CLI."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from omnirl_plugin_bagel.config import BagelConfig, LLMConfig
@@ -21,6 +17,7 @@ from omnirl_core.plan.activations import _prepare, trace_activations
 from omnirl_core.plan.measure import training_step_peak_bytes
 from omnirl_core.plan.planner import GIB
 from omnirl_core.plan.sizing import checkpoint_numel
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def _config(lora: bool = True, side: int = 512, device: str = "cuda", dtype: str = "bfloat16") -> RunConfig:
@@ -117,11 +114,10 @@ def test_the_trace_is_of_the_configured_depth_and_routing():
 
 
 def test_omnirl_plan_prints_a_table_for_bagel():
-    exe = Path(sys.executable).with_name("omnirl")
     args = ["plan", "--model", "bagel", "--algo", "flowgrpo", "--reward", "jpeg", "--device", "cuda",
             "--device-memory", "80GiB", "--set", "model.options.gradient_checkpointing=true",
             "--set", "train.micro_batch_size=2"]
-    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, check=False)
+    proc = run_omnirl([*args], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "weights/transformer" in out and "weights/vae" in out and "activations" in out

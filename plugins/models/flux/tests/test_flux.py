@@ -20,6 +20,7 @@ from omnirl_core import testing
 from omnirl_core.config import ModelSection, build_config
 from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.flow.model import load_diffusers_pipeline, pack_2x2, save_pipeline
+from omnirl_core.testing.forkserver import run_omnirl
 
 VARIANTS = ("dev", "schnell")
 SIZE = 32
@@ -108,17 +109,15 @@ def test_guidance_the_model_cannot_use_is_refused_before_loading(tiny_dirs):
 
 
 def test_dry_run_refuses_sizes_and_guidance_without_loading_weights(tmp_path: Path):
-    exe = Path(sys.executable).with_name("omnirl")
     env = {**os.environ, "OMNIRL_CACHE": str(tmp_path / "cache")}  # an empty cache: nothing may be built
-    out = subprocess.run([str(exe), "train", "--model", "flux.1", "--algo", "flowgrpo", "--preset", "schnell",
-                          "--dry-run", "--set", "rollout.height=520", "--set", "rollout.guidance_scale=3.5"],
-                         capture_output=True, text=True, timeout=120, check=False, env=env)
+    out = run_omnirl(["train", "--model", "flux.1", "--algo", "flowgrpo", "--preset", "schnell",
+                      "--dry-run", "--set", "rollout.height=520", "--set", "rollout.guidance_scale=3.5"],
+                      timeout=120, env=env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "rollout.height/width = 520x512, but flux.1 needs multiples of 16" in out.stderr
     assert "has no guidance" in out.stderr
-    typo = subprocess.run([str(exe), "train", "--model", "flux.1", "--algo", "flowgrpo", "--preset", "tiny",
-                           "--dry-run", "--set", "model.options.max_sequence_lenght=8"],
-                          capture_output=True, text=True, timeout=120, check=False, env=env)
+    typo = run_omnirl(["train", "--model", "flux.1", "--algo", "flowgrpo", "--preset", "tiny",
+                       "--dry-run", "--set", "model.options.max_sequence_lenght=8"], timeout=120, env=env)
     assert typo.returncode == 2 and "max_sequence_length" in typo.stderr
     assert "models flux.1 --options`" in typo.stderr  # the command that lists the model's options
     assert not (tmp_path / "cache" / "presets").exists()

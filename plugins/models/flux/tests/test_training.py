@@ -7,24 +7,19 @@ seeded, so the outcome does not depend on the machine's load."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from omnirl_core.testing import run_train
+from omnirl_core.testing import installed_algorithms, run_train
 
 ALGORITHMS = ("flowgrpo", "mixgrpo", "dancegrpo", "grpo-guard", "dpo", "nft")
 STEPS, WINDOW = 12, 4
 
 
 def _installed_algorithms() -> set[str]:
-    exe = Path(sys.executable).with_name("omnirl")
-    out = subprocess.run([str(exe), "list", "algos", "--format", "json"], capture_output=True, text=True, check=True)
-    return {a["name"] for a in json.loads(out.stdout)}
+    return installed_algorithms()
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)

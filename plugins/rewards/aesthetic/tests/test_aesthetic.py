@@ -19,7 +19,7 @@ from transformers import CLIPModel, CLIPProcessor
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import to_uint8
-from omnirl_core.testing import check_reward_rises, offline_error
+from omnirl_core.testing import check_reward_in_a_run, check_reward_rises, offline_error
 
 
 def published_mlp(input_size: int) -> nn.Module:
@@ -125,6 +125,13 @@ def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Pa
 
 
 @pytest.mark.slow
+def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
+    check_reward_in_a_run(tmp_path / "run", "aesthetic", "--set", "rewards.0.options.preset=tiny",
+                          "--set", "rewards.0.options.device=cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "aesthetic", 60, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu")

@@ -18,7 +18,7 @@ from transformers import CLIPModel, CLIPProcessor
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import to_uint8
 from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
-from omnirl_core.testing import check_reward_rises, offline_error
+from omnirl_core.testing import check_reward_in_a_run, check_reward_rises, offline_error
 
 PROMPTS = ["a red apple on a table", "a blue car", "a red apple on a table"]
 
@@ -131,6 +131,13 @@ def test_entry_module_does_not_import_torch():
 
 
 @pytest.mark.slow
+def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
+    check_reward_in_a_run(tmp_path / "run", "clipscore", "--set", "rewards.0.options.preset=tiny",
+                          "--set", "rewards.0.options.device=cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "clipscore", 60, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu")

@@ -20,7 +20,7 @@ from omnirl_plugin_imagereward.tiny import tiny_directory
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import to_uint8
-from omnirl_core.testing import check_reward_rises
+from omnirl_core.testing import check_reward_in_a_run, check_reward_rises
 
 HERE = Path(__file__).parent
 SIZES = [(32, 32), (48, 40), (24, 50), (33, 31)]
@@ -69,6 +69,12 @@ def test_conversion_refuses_other_checkpoints_and_loading_errors(tmp_path: Path)
     text = err.value.render()
     assert "model.safetensors, imagereward_config.json, tokenizer.json missing in" in text
     assert "python -m omnirl_plugin_imagereward.convert" in text
+
+
+@pytest.mark.slow
+def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
+    check_reward_in_a_run(tmp_path / "run", "imagereward", "--set", "rewards.0.options.preset=tiny",
+                          "--set", "rewards.0.options.device=cpu")
 
 
 @pytest.mark.slow

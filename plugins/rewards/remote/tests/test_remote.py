@@ -25,6 +25,7 @@ from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.wire import encode_output
 from omnirl_core.runtime.distributed import free_port
 from omnirl_core.runtime.reward_server import TOKEN_ENV, RewardServer
+from omnirl_core.testing.forkserver import run_omnirl
 
 
 def brightness(outputs, prompts):
@@ -185,11 +186,9 @@ def _start_server(port: int, log: Path) -> subprocess.Popen:
 
 
 def _train(run_dir: Path, prompts: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("omnirl")
-    return subprocess.run([str(exe), "train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
-                           "--steps", "5", "-o", str(run_dir), "--set", f"data.prompts={prompts}",
-                           "--set", "run.save_every=1", *args],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    return run_omnirl(["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny",
+                       "--steps", "5", "-o", str(run_dir), "--set", f"data.prompts={prompts}",
+                       "--set", "run.save_every=1", *args], timeout=900, env=dict(os.environ))
 
 
 def _rows(run_dir: Path) -> list[dict]:
