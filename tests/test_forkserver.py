@@ -31,7 +31,7 @@ if mode == "kill":
 
 
 def _both(script: Path, mode: str, env: dict[str, str], cwd: Path):
-    served = forkserver.run_script(script, [mode], env=env, cwd=cwd, timeout=120)
+    served = forkserver.run_script(script, [mode], env=env, cwd=cwd, timeout=120, fork=True)
     plain = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, env=env, cwd=cwd,
                            timeout=120, check=False, stdin=subprocess.DEVNULL)
     return served, plain
@@ -60,7 +60,7 @@ def test_another_environment_gets_its_own_server(tmp_path: Path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     for value in ("x", "y"):  # "x": the server of the tests above
-        out = forkserver.run_script(script, ["ok"], env={**os.environ, "OMNIRL_PROBE": value}, timeout=120)
+        out = forkserver.run_script(script, ["ok"], env={**os.environ, "OMNIRL_PROBE": value}, timeout=120, fork=True)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["probe"] == value
 
@@ -69,7 +69,7 @@ def test_a_timeout_kills_the_command(tmp_path: Path):
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired) as err:
-        forkserver.run_script(script, [], env={**os.environ, "OMNIRL_PROBE": "x"}, timeout=3)
+        forkserver.run_script(script, [], env={**os.environ, "OMNIRL_PROBE": "x"}, timeout=3, fork=True)
     assert "started" in err.value.output
 
 
@@ -77,7 +77,7 @@ def test_a_timeout_kills_the_command(tmp_path: Path):
 def test_a_training_run_gives_the_same_rows_and_messages_as_a_plain_process(tmp_path: Path):
     args = ["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny", "--steps", "2",
             "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4"]
-    served = forkserver.run_omnirl([*args, "-o", str(tmp_path / "served")], timeout=600)
+    served = forkserver.run_omnirl([*args, "-o", str(tmp_path / "served")], timeout=600, fork=True)
     plain = subprocess.run([str(forkserver.omnirl_script()), *args, "-o", str(tmp_path / "plain")],
                            capture_output=True, text=True, timeout=600, check=False)
     assert served.returncode == plain.returncode == 0, (served.stderr[-2000:], plain.stderr[-2000:])

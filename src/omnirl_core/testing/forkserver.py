@@ -11,7 +11,9 @@ script's entry point and exits through the interpreter's normal shutdown, so tha
 What keeps it faithful:
 - a server serves only callers whose environment is exactly the one it was started with (what a library reads
   at import time is then what a fresh process would read) and whose ``site-packages`` have not changed since
-  it started (a plugin a test installs is seen); anything else starts another server (at most ``MAX_SERVERS``);
+  it started (a plugin a test installs is seen); anything else starts another server (at most ``MAX_SERVERS``),
+  but only once that environment's commands have taken ``START_AFTER_S`` as plain subprocesses: a server's
+  imports cost more than a light command (a dry run, a listing), so one-off environments run as before;
 - the server imports third-party libraries and the CLI module only, never a plugin: discovery, a broken
   plugin's import and a plugin's own imports happen in the child, as in a fresh process;
 - the server runs no torch operation, so no OpenMP pool exists when it forks.
@@ -34,13 +36,17 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 MAX_SERVERS = 3
-# set per command in the child; no library reads them at import time
-RUNTIME_KEYS = ("PYTEST_CURRENT_TEST",)
+START_AFTER_S = 10.0  # about what a server's imports take
+# set per command in the child; no library reads them at import time (torch.distributed reads the rank variables
+# when a process group starts)
+RUNTIME_KEYS = ("PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
 PRELOAD = (
     "omnirl_cli.main",  # first: it sets the thread policy's environment before torch loads, as the script does
     "torch", "numpy", "PIL.Image", "safetensors.torch", "yaml", "peft", "diffusers", "transformers",
@@ -60,15 +66,17 @@ def enabled() -> bool:
 
 
 def run_omnirl(args: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-               timeout: float | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run([omnirl, *args], capture_output=True, text=True)``, through a fork server."""
-    return _run({"kind": "omnirl", "argv": [str(omnirl_script()), *map(str, args)]}, env, cwd, timeout)
+               timeout: float | None = None, fork: bool | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([omnirl, *args], capture_output=True, text=True)``, through a fork server. ``fork``: True
+    always through a server, False never; None: from an environment's second command on."""
+    return _run({"kind": "omnirl", "argv": [str(omnirl_script()), *map(str, args)]}, env, cwd, timeout, fork)
 
 
 def run_script(script: str | Path, args: list[str], *, env: dict[str, str] | None = None,
-               cwd: str | Path | None = None, timeout: float | None = None) -> subprocess.CompletedProcess:
+               cwd: str | Path | None = None, timeout: float | None = None,
+               fork: bool | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run([python, script, *args], ...)``: the script runs as ``__main__``."""
-    return _run({"kind": "script", "argv": [str(script), *map(str, args)]}, env, cwd, timeout)
+    return _run({"kind": "script", "argv": [str(script), *map(str, args)]}, env, cwd, timeout, fork)
 
 
 # -- the caller's side ----------------------------------------------------------------------------
@@ -79,18 +87,23 @@ def _command(request: dict[str, Any]) -> list[str]:
 
 
 def _run(request: dict[str, Any], env: dict[str, str] | None, cwd: str | Path | None,
-         timeout: float | None) -> subprocess.CompletedProcess:
+         timeout: float | None, fork: bool | None) -> subprocess.CompletedProcess:
     env = dict(os.environ if env is None else env)
     cmd = _command(request)
-    if not enabled():
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=None if cwd is None else str(cwd),
-                              timeout=timeout, check=False)
-    try:
-        server = _servers.get(env)
-    except RuntimeError as exc:  # the command still runs, the slow way
-        sys.stderr.write(f"omnirl test fork server unavailable, running a plain subprocess: {exc}\n")
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=None if cwd is None else str(cwd),
-                              timeout=timeout, check=False)
+    server, key = None, _key(env)
+    if fork is not False and enabled():
+        try:
+            server = _servers.get(key, env, eager=bool(fork))
+        except RuntimeError as exc:  # the command still runs, the slow way
+            sys.stderr.write(f"omnirl test fork server unavailable, running a plain subprocess: {exc}\n")
+    if server is None:
+        start = time.monotonic()
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, env=env,
+                                  cwd=None if cwd is None else str(cwd), timeout=timeout, check=False,
+                                  stdin=subprocess.DEVNULL)
+        finally:
+            _servers.charge(key, time.monotonic() - start)
     try:
         return server.run(request, env, str(cwd) if cwd is not None else os.getcwd(), timeout, cmd)
     finally:
@@ -173,6 +186,11 @@ def _text(path: str) -> str:
     return data.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
+def _key(env: dict[str, str]) -> Any:
+    """What a server must share with a command: the environment (but ``RUNTIME_KEYS``) and the install."""
+    return tuple(sorted((k, v) for k, v in env.items() if k not in RUNTIME_KEYS)), _site_state()
+
+
 def _site_state() -> tuple[tuple[str, float], ...]:
     """The install state a server's imports depend on: the mtime of every site-packages directory (pip adds or
     removes a distribution's directory there)."""
@@ -186,10 +204,18 @@ class _Servers:
     def __init__(self):
         self.lock = threading.Lock()
         self.servers: OrderedDict[Any, _Server] = OrderedDict()
+        self.spent: dict[Any, float] = {}
 
-    def get(self, env: dict[str, str]) -> _Server:
-        key = (tuple(sorted((k, v) for k, v in env.items() if k not in RUNTIME_KEYS)), _site_state())
+    def charge(self, key: Any, seconds: float) -> None:
         with self.lock:
+            self.spent[key] = self.spent.get(key, 0.0) + seconds
+
+    def get(self, key: Any, env: dict[str, str], eager: bool = False) -> _Server | None:
+        """The server for ``env``; None (run a plain subprocess) while the environment's plain commands have
+        taken less than ``START_AFTER_S``, unless ``eager``."""
+        with self.lock:
+            if key not in self.servers and not eager and self.spent.get(key, 0.0) < START_AFTER_S:
+                return None
             server = self.servers.get(key)
             if server is not None and server.proc.poll() is not None:
                 del self.servers[key]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,24 +15,27 @@ import torch
 from safetensors.torch import load_file
 
 from omnirl_core.runtime.distributed import free_port
+from omnirl_core.testing.forkserver import run_script
 
 JOB = Path(__file__).with_name("rank_job.py")
 
 
 def _launch(out: Path, engine: str, lora: bool, world: int = 1, extra: tuple[str, ...] = ()) -> None:
+    """``world`` rank processes of ``rank_job.py`` at once (forked by the test fork server: torch is imported)."""
     out.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+
+    def rank(index: int) -> subprocess.CompletedProcess:
+        env = {**os.environ, "RANK": str(index), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         if world == 1:
             env.pop("RANK"), env.pop("WORLD_SIZE")
-        cmd = [sys.executable, str(JOB), "--engine", engine, "--lora", str(int(lora)), "--out", str(out), *extra]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for proc in procs:
-        output, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, output[-3000:]
+        args = ["--engine", engine, "--lora", str(int(lora)), "--out", str(out), *extra]
+        return run_script(JOB, args, env=env, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=world) as pool:
+        for proc in pool.map(rank, range(world)):
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
 def _max_diff(a: dict, b: dict) -> float:
