@@ -2,7 +2,8 @@
 command, ends with the same weights, optimizer state and metrics rows as a run that was never interrupted.
 
 Every killed run is a real ``omnirl train`` process that sends the signal to itself at a point of the run
-(``crash_driver.py``). Compared after the resume, bit for bit: the final LoRA weights, every optimizer
+(``crash_driver.py``), forked by the test fork server (``omnirl_core.testing.forkserver``), which has imported
+torch and co. already: 50 processes, and each would spend most of its time importing. Compared after the resume, bit for bit: the final LoRA weights, every optimizer
 tensor and its metadata, the algorithm's state, and every value of every metrics row except the wall-clock
 timings (``time/*``, ``images_per_s``), which no two runs share. Each step has exactly one row.
 """
