@@ -57,9 +57,10 @@ def test_the_cli_applies_the_policy_before_torch_loads():
     assert out.stdout.split() == [threads.DEFAULT_SPINCOUNT, "False"]
 
 
-def test_configure_sizes_torch_and_reports_the_policy():
+def test_configure_sizes_torch_and_reports_the_policy(monkeypatch):
     import torch
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     try:
         policy = threads.configure(1)
@@ -69,6 +70,24 @@ def test_configure_sizes_torch_and_reports_the_policy():
         adaptive = threads.configure("adaptive")
         assert adaptive.adaptive and adaptive.intra_op == threads.available_cpus()
         assert threads.governor(adaptive).ceiling == adaptive.intra_op
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_omp_num_threads_set_by_the_user_sizes_the_pool_unless_run_threads_does(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert threads.configure().intra_op == 1 and torch.get_num_threads() == 1
+        assert threads.configure("adaptive").intra_op == 1
+        assert threads.configure(2).intra_op == 2  # run.threads wins
+        monkeypatch.setenv("OMP_NUM_THREADS", "4096,2")  # never more than the available cores
+        assert threads.configure().intra_op == threads.available_cpus()
+        for unusable in ("", "0", "many"):
+            monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+            assert threads.configure().intra_op == threads.available_cpus()
     finally:
         torch.set_num_threads(before)
 

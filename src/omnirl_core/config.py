@@ -216,7 +216,7 @@ class RunSection(Section):
     )
     threads: Annotated[int, Field(ge=1)] | Literal["adaptive"] | None = Field(
         None, description="CPU threads of torch's compute in each worker process; None: every core this "
-        "process may use (affinity and cgroup quota); 'adaptive': that many at most, one fewer while this "
+        "process may use (affinity and cgroup quota), or fewer if OMP_NUM_THREADS says so; 'adaptive': that many at most, one fewer while this "
         "process's threads wait for a CPU much of the time (a machine other jobs load), re-judged before each "
         "rollout and update; the count then depends on the load, so results are reproducible bit for bit only "
         "with a fixed count. See omnirl_core.runtime.threads.",

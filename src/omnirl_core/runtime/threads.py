@@ -182,10 +182,16 @@ def ray_assigned_cpus() -> int | None:
     return None if cpus is None else max(1, math.floor(cpus + 1e-9))
 
 
+def env_threads(environ: Any = os.environ) -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` asks for (its first level, as OpenMP reads a list), or None."""
+    value = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def configure(threads: int | str | None = None) -> ThreadPolicy:
-    """Size torch's pools: ``threads`` (``run.threads``), else the CPUs Ray assigned this actor, else every
-    available core; never more than available. ``adaptive``: the same size, as the ceiling of a
-    ``ThreadGovernor`` (``governor(policy)``)."""
+    """Size torch's pools: ``threads`` (``run.threads``), else the CPUs Ray assigned this actor, else
+    ``OMP_NUM_THREADS`` when the user set it, else every available core; never more than available.
+    ``adaptive``: the same size, as the ceiling of a ``ThreadGovernor`` (``governor(policy)``)."""
     import torch
 
     adaptive = threads == "adaptive"
@@ -195,7 +201,10 @@ def configure(threads: int | str | None = None) -> ThreadPolicy:
     cpus = available_cpus()
     if threads is None:
         assigned = ray_assigned_cpus()
-        cpus = min(cpus, assigned) if assigned is not None else cpus
+        if assigned is not None:
+            cpus = min(cpus, assigned)
+        elif env_threads() is not None:  # the user's (``apply_env`` sets the available count, the same)
+            cpus = min(cpus, env_threads())
     intra = max(1, min(threads or cpus, cpus)) if threads is None else max(1, threads)
     if torch.get_num_threads() != intra:
         torch.set_num_threads(intra)
