@@ -201,10 +201,11 @@ def configure(threads: int | str | None = None) -> ThreadPolicy:
     cpus = available_cpus()
     if threads is None:
         assigned = ray_assigned_cpus()
+        asked = env_threads()  # the user's, or ``apply_env``'s: the available count, the same as unset
         if assigned is not None:
             cpus = min(cpus, assigned)
-        elif env_threads() is not None:  # the user's (``apply_env`` sets the available count, the same)
-            cpus = min(cpus, env_threads())
+        elif asked is not None:
+            cpus = min(cpus, asked)
     intra = max(1, min(threads or cpus, cpus)) if threads is None else max(1, threads)
     if torch.get_num_threads() != intra:
         torch.set_num_threads(intra)
