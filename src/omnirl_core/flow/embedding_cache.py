@@ -39,8 +39,8 @@ def trim_padding(cond: Conditioning) -> Conditioning:
     length = int(positions[-1]) + 1 if len(positions) else 1
     if length == used.shape[0]:
         return cond
-    # clone, not a view: a prefix of the padded row is contiguous already and would keep (and pickle, to a Ray
-    # actor or a checkpoint) the whole padded storage
+    # clone, not a view: a prefix of the padded row is contiguous already and would keep (and pickle, e.g. to
+    # a Ray actor) the whole padded storage
     return Conditioning(
         {k: v[:, :length].clone() if k in cond.pad_keys else v for k, v in cond.tensors.items()},
         cond.pad_keys,

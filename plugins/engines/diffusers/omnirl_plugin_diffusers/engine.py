@@ -292,8 +292,8 @@ class DiffusersRolloutEngine:
                 self.stats.latencies.append(finished - s.arrival)
                 self.stats.samples += 1
                 s.state = None  # the latents leave the engine with the sample
-                # image.clone(): a row of the batch's decode would keep (and pickle, to a Ray actor or a
-                # checkpoint) the whole batch's storage
+                # image.clone(): a row of the batch's decode would keep (and pickle, e.g. to a Ray actor) the
+                # whole batch's storage
                 yield Sample(request=s.request, latents=torch.stack(t.states), sigmas=t.sigmas.clone(),
                              logprobs=t.logprobs, output=image.clone(),
                              extras={"cond": t.cond, "uncond": t.uncond})
