@@ -1,7 +1,7 @@
 """End-to-end step time: omnirl's training step against the model-call floor, quiet and under a competing CPU
 load, per thread policy.
 
-    python benchmarks/end_to_end.py                         # tiny preset, the default policy and libgomp's own
+    python benchmarks/end_to_end.py                         # tiny preset: the default policy, a fixed pool, libgomp's own
     python benchmarks/end_to_end.py --config small          # the rollout benchmark's 8-layer transformer
     python benchmarks/end_to_end.py --policies default,gomp,passive --reps 3
 
@@ -16,10 +16,10 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 
-Policies: ``default`` (omnirl's: ``omnirl_core.runtime.threads``), ``adaptive`` (the default with
-``run.threads: adaptive``: a thread fewer while the process waits for CPUs), ``gomp`` (libgomp's own spin
-count, 300000), ``passive`` (OMP_WAIT_POLICY=PASSIVE), ``spin=N`` (GOMP_SPINCOUNT=N). The floor always runs
-with the full pool: it is the bare loop a user would write.
+Policies: ``default`` (omnirl's, ``omnirl_core.runtime.threads``: ``run.threads: adaptive``, a thread fewer
+while the process waits for CPUs, and a brief spin), ``fixed`` (``run.threads: fixed``: every core, always),
+and with a fixed pool too: ``gomp`` (libgomp's own spin count, 300000), ``passive`` (OMP_WAIT_POLICY=PASSIVE),
+``spin=N`` (GOMP_SPINCOUNT=N). The floor always runs with the full pool: it is the bare loop a user would write.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-POLICY_ENV = {"default": {}, "adaptive": {}, "gomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+POLICY_ENV = {"default": {}, "fixed": {}, "gomp": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 def policy_env(name: str) -> dict[str, str]:
@@ -69,7 +69,7 @@ class Load:
 
 # -- the child: one policy -----------------------------------------------------------------------------
 
-def build(config: str, out: Path, steps: int, run_threads: str | None = None) -> Any:
+def build(config: str, out: Path, steps: int, run_threads: str = "adaptive") -> Any:
     sys.path.insert(0, str(HERE))
     from _train import controller
 
@@ -178,9 +178,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         ctl = build(args.config, Path(tmp), args.reps, args.run_threads)
-        policy = threads.configure(None).as_dict()
+        policy = threads.configure(args.run_threads).as_dict()
         pool = policy["intra_op"]
-        policy["adaptive"] = args.run_threads == "adaptive"
         step = 1
         rows: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
         floors: dict[str, list[float]] = {"quiet": [], "loaded": []}
@@ -219,13 +218,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=("tiny", "small"), default="tiny")
-    parser.add_argument("--policies", default="default,gomp", help="comma-separated (see the module docstring)")
+    parser.add_argument("--policies", default="default,fixed,gomp", help="comma-separated (see the module docstring)")
     parser.add_argument("--reps", type=int, default=2, help="quiet/loaded rounds per policy")
     parser.add_argument("--steps", type=int, default=2, help="steps per round and mode")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--load-threads", type=int, default=None, help="busy processes (default: one per core)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--run-threads", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-threads", default="adaptive", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_threads is None:
         from omnirl_core.runtime.threads import available_cpus
@@ -241,14 +240,15 @@ def main() -> None:
         env = {**os.environ, **policy_env(name)}
         cmd = [sys.executable, __file__, "--child", "--config", args.config, "--reps", str(args.reps),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--load-threads", str(args.load_threads)]
-        if name == "adaptive":
-            cmd += ["--run-threads", "adaptive"]
+        if name != "default":
+            cmd += ["--run-threads", "fixed"]  # the wait policies are compared on a fixed pool
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             sys.exit(f"policy {name} failed:\n{proc.stderr[-3000:]}")
-        result["policies"][name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        r = result["policies"][name]
-        print(f"{name:>10}: quiet step {r['quiet']['step_s']:.3f} s (floor {r['quiet']['floor_s']:.3f} s, overhead "
+        key = name if name not in result["policies"] else f"{name}#{sum(k.split('#')[0] == name for k in result['policies']) + 1}"
+        result["policies"][key] = json.loads(proc.stdout.strip().splitlines()[-1])  # a repeat: default#2, ...
+        r = result["policies"][key]
+        print(f"{key:>10}: quiet step {r['quiet']['step_s']:.3f} s (floor {r['quiet']['floor_s']:.3f} s, overhead "
               f"{r['quiet']['overhead']:.2f}x) | loaded step {r['loaded']['step_s']:.3f} s (floor "
               f"{r['loaded']['floor_s']:.3f} s) | degradation {r['degradation']:.2f}x, bare loop "
               f"{r['bare_degradation']:.2f}x", flush=True)

@@ -39,7 +39,7 @@ POINTS = [
     ("ckpt-latest", 2, "INT"), ("load", 0, "INT"),
     ("optimizer", 3, "TERM"),
 ]
-TIMING = ("time/", "images_per_s")
+TIMING = ("time/", "images_per_s", "threads/")  # measured on the machine: its load, not the run
 EXIT = {"KILL": -9, "INT": 130, "TERM": 143}
 
 

@@ -84,11 +84,13 @@ def test_a_training_run_gives_the_same_rows_and_messages_as_a_plain_process(tmp_
 
     def rows(run: Path) -> list[dict]:
         lines = (run / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "images_per_s"))}
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "images_per_s", "threads/"))}
                 for line in lines]
 
     assert rows(tmp_path / "served") == rows(tmp_path / "plain")
-    assert [line.replace("served", "RUN") for line in served.stderr.splitlines()] == \
-        [line.replace("plain", "RUN") for line in plain.stderr.splitlines()]
+    def said(stderr: str, name: str) -> list[str]:  # what the machine's load decides is left out: the thread notice
+        return [line.replace(name, "RUN") for line in stderr.splitlines() if "the CPUs are shared" not in line]
+
+    assert said(served.stderr, "served") == said(plain.stderr, "plain")
     threads = [json.loads((tmp_path / run / "runtime.json").read_text())["threads"] for run in ("served", "plain")]
     assert threads[0] == threads[1]  # the same thread policy, applied before torch loaded in both

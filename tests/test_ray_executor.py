@@ -47,7 +47,7 @@ def _metrics(out: Path, lora: bool = True, **run) -> list[dict]:
 def _same(a: list[dict], b: list[dict]) -> None:
     assert len(a) == len(b) == STEPS
     for ra, rb in zip(a, b):
-        keys = {k for k in ra if not k.startswith(("time/", "images_per_s", "sync/", "rollout/threads"))}
+        keys = {k for k in ra if not k.startswith(("time/", "images_per_s", "sync/", "rollout/threads", "threads/"))}
         assert keys <= set(rb)
         for key in keys:
             assert math.isclose(ra[key], rb[key], rel_tol=1e-4, abs_tol=1e-7), (key, ra[key], rb[key])

@@ -67,9 +67,11 @@ def test_configure_sizes_torch_and_reports_the_policy(monkeypatch):
         assert torch.get_num_threads() == 1 and policy.intra_op == 1 and policy.cpus >= 1
         assert set(policy.as_dict()) == {"cpus", "intra_op", "inter_op", "spincount", "wait_policy", "adaptive"}
         assert not policy.adaptive and threads.governor(policy) is None
-        adaptive = threads.configure("adaptive")
-        assert adaptive.adaptive and adaptive.intra_op == threads.available_cpus()
-        assert threads.governor(adaptive).ceiling == adaptive.intra_op
+        fixed = threads.configure("fixed")
+        assert not fixed.adaptive and fixed.intra_op == threads.available_cpus() and threads.governor(fixed) is None
+        for default in (threads.configure(), threads.configure("adaptive"), threads.configure(None)):
+            assert default.adaptive and default.intra_op == threads.available_cpus()
+            assert threads.governor(default).ceiling == default.intra_op
     finally:
         torch.set_num_threads(before)
 
@@ -137,6 +139,17 @@ def test_governor_backs_off_when_a_thread_taken_back_makes_the_wait_return():
     assert gov.patience == 8
 
 
+def test_governor_says_once_when_it_first_gives_up_a_thread(caplog):
+    gov, clock, _ = _governor(4)
+    with caplog.at_level("WARNING", logger="omnirl"):
+        for _ in range(3):
+            clock.phase(1.0, 1.0)
+            gov.observe()
+    said = [r.getMessage() for r in caplog.records if r.name == "omnirl"]
+    assert len(said) == 1 and gov.threads == 1
+    assert "50%" in said[0] and "3 thread(s) instead of 4" in said[0] and "--set run.threads=4" in said[0]
+
+
 def test_governor_adds_short_phases_to_the_next():
     gov, clock, _ = _governor(2)
     clock.phase(0.01, 0.01)  # 10 ms of CPU: too little to judge
@@ -183,13 +196,7 @@ def test_governor_sees_a_real_competing_load():
         torch.set_num_threads(before)
 
 
-def test_an_adaptive_run_reports_its_pool_per_step(tmp_path):
-    """run.threads: adaptive through the real controller (tiny Qwen-Image, inline): every step's row carries
-    the pool the update ran with and the wait share that set it, and runtime.json says the policy is adaptive."""
-    import json
-
-    import torch
-
+def _controller(tmp_path, run: dict):
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
     from omnirl_core.runtime.controller import Controller
@@ -200,20 +207,74 @@ def test_an_adaptive_run_reports_its_pool_per_step(tmp_path):
     resolved = resolve_run(manager, [{
         "model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
         "rollout": {"prompts_per_step": 2, "group_size": 2, "num_steps": 3, "height": 32, "width": 32},
-        "run": {"device": "cpu", "output_dir": str(tmp_path), "threads": "adaptive", "save_every": 100,
-                "sample_every": 100},
+        "run": {"device": "cpu", "output_dir": str(tmp_path), "save_every": 100, "sample_every": 100, **run},
     }])
+    ctl = Controller(resolved, tmp_path)
+    ctl.run_dir.prepare(resolved.dump(), [])
+    ctl.setup()
+    return ctl
+
+
+def test_the_default_run_rejudges_its_pool_once_per_step_and_reports_it(tmp_path):
+    """The default policy (adaptive) through the real controller (tiny Qwen-Image, inline): the governor is
+    consulted once per step, before the rollout, and the update runs on the pool the rollout ran on (the
+    trainer re-evaluates the rollout's log-probs with the same arithmetic); every step's row carries that pool
+    and the wait share that set it, and runtime.json says the policy is adaptive. The governor's clock is
+    scripted to report a loaded machine, so the pool really moves."""
+    import json
+
+    import torch
+
     before = torch.get_num_threads()
     try:
-        ctl = Controller(resolved, tmp_path)
-        ctl.run_dir.prepare(resolved.dump(), [])
-        ctl.setup()
+        ctl = _controller(tmp_path, {})
+        worker = ctl.executor.worker
+        gov = worker.governor
+        assert gov is not None and gov.ceiling == threads.available_cpus()
+        clock = _Clock()
+        gov.sample, gov._last = clock, clock()
+        observed, update_pools = [], []
+        observe = gov.observe
+
+        def loaded_observe() -> int:
+            clock.phase(1.0, 1.0)  # half the runnable time spent waiting: give up a thread (down to 1)
+            observed.append(observe())
+            return observed[-1]
+
+        gov.observe = loaded_observe
+        update = worker.trainer.update
+
+        def recording_update(*args, **kwargs):
+            update_pools.append(torch.get_num_threads())
+            return update(*args, **kwargs)
+
+        worker.trainer.update = recording_update
         rows = [ctl.train_step(step) for step in (1, 2, 3)]
         ctl.executor.close()
     finally:
         torch.set_num_threads(before)
-    for row in rows:
-        assert 1 <= row["threads/torch"] <= threads.available_cpus()
-        assert 0.0 <= row["threads/wait_share"] <= 1.0
+    assert len(observed) == 3  # once per step, not again before the update
+    assert update_pools == observed == [row["threads/torch"] for row in rows]
+    assert observed[-1] == 1
+    assert all(row["threads/wait_share"] == 0.5 for row in rows)
     runtime = json.loads((tmp_path / "runtime.json").read_text())
     assert runtime["threads"]["adaptive"] is True
+
+
+def test_a_fixed_pool_is_never_resized(tmp_path):
+    import json
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        ctl = _controller(tmp_path, {"threads": "fixed"})
+        assert ctl.executor.worker.governor is None
+        rows = [ctl.train_step(step) for step in (1, 2)]
+        assert torch.get_num_threads() == threads.available_cpus()
+        ctl.executor.close()
+    finally:
+        torch.set_num_threads(before)
+    assert all("threads/torch" not in row for row in rows)
+    runtime = json.loads((tmp_path / "runtime.json").read_text())
+    assert runtime["threads"]["adaptive"] is False and runtime["threads"]["intra_op"] == threads.available_cpus()

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from omnirl_core.errors import ConfigError, did_you_mean
 
@@ -214,12 +214,14 @@ class RunSection(Section):
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
         "on I/O, such as a remote judge, rather than adding reward processes.",
     )
-    threads: Annotated[int, Field(ge=1)] | Literal["adaptive"] | None = Field(
-        None, description="CPU threads of torch's compute in each worker process; None: every core this "
-        "process may use (affinity and cgroup quota), or fewer if OMP_NUM_THREADS says so; 'adaptive': that many at most, one fewer while this "
-        "process's threads wait for a CPU much of the time (a machine other jobs load), re-judged before each "
-        "rollout and update; the count then depends on the load, so results are reproducible bit for bit only "
-        "with a fixed count. See omnirl_core.runtime.threads.",
+    threads: Annotated[Annotated[int, Field(ge=1)] | Literal["adaptive", "fixed"],
+                       BeforeValidator(lambda v: "adaptive" if v is None else v)] = Field(
+        "adaptive", description="CPU threads of torch's compute in each worker process. 'adaptive' (default): "
+        "every core this process may use (affinity and cgroup quota; fewer if OMP_NUM_THREADS says so) at most, "
+        "one fewer while its threads wait for a CPU much of the time (a machine other jobs load), re-judged at "
+        "each step; the count then follows the load, and floating-point sums with it, so a run is reproducible "
+        "bit for bit only with a fixed count: 'fixed' (every core this process may use, always) or a number; "
+        "null (configs of earlier versions): the default. See omnirl_core.runtime.threads.",
     )
     reward_timeout_s: float | None = Field(
         600.0, gt=0, description="Deadline of one reward call (a batch of samples), in seconds: "

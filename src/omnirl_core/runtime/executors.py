@@ -88,7 +88,7 @@ class InlineExecutor:
         import torch
 
         assert self.worker is not None and self.stream is not None
-        self.worker.adapt_threads()  # run.threads: adaptive (the pool the reward reserve is taken from)
+        self.worker.adapt_threads()  # run.threads: adaptive, at the step boundary (the pool the reward reserve is taken from)
         threads, before = self.rollout_threads(), torch.get_num_threads()
         if threads is not None:
             torch.set_num_threads(threads)

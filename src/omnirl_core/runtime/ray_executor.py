@@ -70,7 +70,7 @@ class WorkerActor:
 
     def generate(self, requests: list[GenRequest], evaluation: bool = False):
         """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
-        self.worker.adapt_threads()  # run.threads: adaptive
+        self.worker.adapt_threads()  # run.threads: adaptive, at the step boundary
         for sample in self.worker.generate(requests, evaluation):
             yield reward_view(sample)
             yield sample
@@ -117,7 +117,7 @@ class RewardActor:
     def __init__(self, resolved: ResolvedRun):
         from omnirl_core.runtime.threads import configure
 
-        configure()  # torch's pools sized to the CPUs Ray assigned this actor, not to the machine
+        configure("fixed")  # torch's pools sized to the CPUs Ray assigned this actor, not to the machine
         self.rewards = build_rewards(resolved)
 
     def torch_threads(self) -> int:

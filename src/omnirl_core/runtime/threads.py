@@ -12,22 +12,33 @@ read by the OpenMP runtime when it loads, so ``apply_env`` must run before torch
 calls it first thing; Ray workers and rank processes inherit the environment); a value the user set
 in the environment always wins.
 
-``run.threads: adaptive`` goes further for machines that are shared all the time: between phases (before each
-rollout and each update) a ``ThreadGovernor`` reads how long this process's threads waited for a CPU while they
-were runnable (the kernel's per-thread schedstat) and gives up a torch thread while they wait much of the time,
-taking it back once they stop waiting. Other processes' load is seen through its effect on us, so it works the
-same in a container whose cgroup has a few CPUs of a busy host. The thread count then depends on the load, and
-floating-point reductions split over threads with it: a run is reproducible bit for bit only with a fixed count,
-which is why this is not the default.
+By default (``run.threads: adaptive``) the pool also follows the load: at each step boundary (before the
+rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` reads how long this process's
+threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
+while they wait much of the time, taking it back once they stop waiting. Other processes' load is seen through its
+effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
+the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
+2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
+one 1.9-2.2x (``benchmarks/README.md``).
+
+What it costs: floating-point reductions split over threads, so where the thread count changes a sum's order
+the numbers change with the load (in the last bits, then through training). The tiny presets of Qwen-Image,
+SD3.5, FLUX, Wan2.2 and Qwen3-Omni train bit-identically on 1 and 2 threads; BAGEL's does not. A fixed count
+(``run.threads: N``, or ``fixed`` for every available core) keeps a run reproducible bit for bit on any load;
+the governor says when it first gives up a thread, and every step's row records the pool it ran on
+(``threads/torch``) and the wait share that set it (``threads/wait_share``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("omnirl")
 
 DEFAULT_SPINCOUNT = "10000"
 """Spin iterations before an idle libgomp thread sleeps (libgomp's own default: 300000)."""
@@ -80,14 +91,15 @@ def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[i
 
 
 class ThreadGovernor:
-    """``run.threads: adaptive``: between phases, the torch intra-op pool sized to the cores this process gets.
+    """``run.threads: adaptive``: between steps, the torch intra-op pool sized to the cores this process gets.
 
-    ``observe()`` (before a rollout or an update) takes the share of the last phase's runnable time that this
+    ``observe()`` (before a step's rollout) takes the share of the last step's runnable time that this
     process's threads spent waiting for a CPU: above ``drop_above`` it gives up a thread (never below 1), below
     ``raise_below`` for ``patience`` phases in a row it takes one back (never above ``ceiling``). A thread taken
     back that makes the wait jump again at once doubles the patience (up to 32 phases), so a load that leaves
-    room for some but not all threads does not flip the count every phase. Phases with less than
-    ``min_cpu_s`` of CPU time are added to the next one."""
+    room for some but not all threads does not flip the count every step. Steps with less than
+    ``min_cpu_s`` of CPU time are added to the next one. The first time it gives up a thread it says so (once
+    per process), with the fixed count that keeps a run reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
                  sample: Any = own_schedstat, apply: Any = None):
@@ -96,6 +108,7 @@ class ThreadGovernor:
         self.sample = sample
         self.apply = apply if apply is not None else _set_torch_threads
         self.patience, self._quiet, self._just_raised = 1, 0, False
+        self._told = False
         self.wait_share = 0.0
         """The last observed share of runnable time spent waiting."""
         self._last = sample()
@@ -116,6 +129,13 @@ class ThreadGovernor:
                 self.patience = min(2 * self.patience, 32)
             self.threads -= 1
             self._quiet = 0
+            if not self._told:
+                self._told = True
+                log.warning("the CPUs are shared: this process's threads waited for a CPU %.0f%% of the time they "
+                            "were runnable, so torch now computes on %d thread(s) instead of %d (run.threads: "
+                            "adaptive, the default; the count follows the load, and the numbers with it in the "
+                            "last bits). For a run reproducible bit for bit, fix it: --set run.threads=%d",
+                            100 * share, self.threads, self.ceiling, self.ceiling)
         elif share < self.raise_below and self.threads < self.ceiling:
             self._quiet += 1
             if self._quiet >= self.patience:
@@ -151,7 +171,7 @@ class ThreadPolicy:
     wait_policy: str
     """OMP_WAIT_POLICY in effect ('' when unset)."""
     adaptive: bool = False
-    """``run.threads: adaptive``: ``intra_op`` is the ceiling a ``ThreadGovernor`` moves under."""
+    """``run.threads: adaptive`` (the default): ``intra_op`` is the ceiling a ``ThreadGovernor`` moves under."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,14 +208,15 @@ def env_threads(environ: Any = os.environ) -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def configure(threads: int | str | None = None) -> ThreadPolicy:
-    """Size torch's pools: ``threads`` (``run.threads``), else the CPUs Ray assigned this actor, else
+def configure(threads: int | str | None = "adaptive") -> ThreadPolicy:
+    """Size torch's pools: ``threads`` (``run.threads``: a count), else the CPUs Ray assigned this actor, else
     ``OMP_NUM_THREADS`` when the user set it, else every available core; never more than available.
-    ``adaptive``: the same size, as the ceiling of a ``ThreadGovernor`` (``governor(policy)``)."""
+    ``adaptive`` (the default; also None): that size, as the ceiling of a ``ThreadGovernor``
+    (``governor(policy)``); ``fixed``: that size, always."""
     import torch
 
-    adaptive = threads == "adaptive"
-    if adaptive:
+    adaptive = threads in ("adaptive", None)
+    if threads in ("adaptive", "fixed"):
         threads = None
     assert threads is None or isinstance(threads, int)
     cpus = available_cpus()
@@ -216,5 +237,5 @@ def configure(threads: int | str | None = None) -> ThreadPolicy:
 
 
 def governor(policy: ThreadPolicy) -> ThreadGovernor | None:
-    """The policy's governor (``run.threads: adaptive``), or None for a fixed pool."""
+    """The policy's governor (``run.threads: adaptive``, the default), or None for a fixed pool."""
     return ThreadGovernor(policy.intra_op) if policy.adaptive else None

@@ -79,14 +79,24 @@ class Worker:
         self.rollout: Any = None
         self.trainer: Any = None
         self.governor: Any = None
+        self._adapted = False  # the pool was re-judged this step (by the rollout on this worker)
 
     def adapt_threads(self) -> dict[str, float]:
-        """Before a phase (``run.threads: adaptive``): the torch pool resized to the cores this process gets;
-        the count and the wait share that set it, as metrics. Nothing with a fixed pool."""
+        """At a step boundary, before the rollout (``run.threads: adaptive``, the default): the torch pool resized
+        to the cores this process gets; the count and the wait share that set it, as metrics. Nothing with a
+        fixed pool."""
         if self.governor is None:
             return {}
-        threads = self.governor.observe()
-        return {"threads/torch": float(threads), "threads/wait_share": self.governor.wait_share}
+        self.governor.observe()
+        self._adapted = True
+        return self.thread_metrics()
+
+    def thread_metrics(self) -> dict[str, float]:
+        """The pool this step runs on (a step's rollout and update share it: the trainer re-evaluates the
+        rollout's log-probs with the same arithmetic) and the wait share that set it."""
+        if self.governor is None:
+            return {}
+        return {"threads/torch": float(self.governor.threads), "threads/wait_share": self.governor.wait_share}
 
     def setup(self) -> None:
         import torch
@@ -97,7 +107,7 @@ class Worker:
         r = self.resolved
         cfg = r.config
         self.threads = configure(cfg.run.threads)
-        self.governor = governor(self.threads)  # run.threads: adaptive
+        self.governor = governor(self.threads)  # run.threads: adaptive (the default)
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
         self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
@@ -164,10 +174,12 @@ class Worker:
         """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
         fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
         assert self.algorithm is not None
-        adapted = self.adapt_threads()
+        if not self._adapted:
+            self.adapt_threads()  # a worker that only trains (Ray, apart from the rollout): its step starts here
+        self._adapted = False
         metrics = self.trainer.update(self.algorithm, units, step, reference=reference)
         self.algorithm.after_update(self.model)  # e.g. DiffusionNFT folds the update into its EMA sampler
-        return {**metrics, **adapted}  # the pool the update ran with
+        return {**metrics, **self.thread_metrics()}  # the pool the step ran on
 
     def set_old_logprob(self, mode: str) -> None:
         """Rollout correction's recompute / bypass switch, read by the algorithm at every update."""
