@@ -77,7 +77,8 @@ def summary(records: dict) -> dict:
         r, w = mean(recs, "time/rollout_s"), mean(recs, "time/reward_s")
         out[mode] = {"step_s": mean(recs, "time/step_s"), "rollout_s": r, "reward_wait_s": w,
                      "reward_busy_s": mean(recs, "time/reward_busy_s"), "train_s": mean(recs, "time/train_s"),
-                     "rollout_plus_reward_s": r + w, "steps": len(recs)}
+                     "rollout_plus_reward_s": r + w, "steps": len(recs),
+                     "threads": [rec.get("threads/torch") for rec in recs]}  # the rollout's pool (run.threads)
     s, a = out["sync"], out["async"]
     r, w = s["rollout_s"], s["reward_wait_s"]
     ideal_saving = min(r, w)

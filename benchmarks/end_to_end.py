@@ -12,7 +12,9 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
   update (old log-probs, the reference for the KL term) and forward+backward at the same micro-batch sizes
   with one AdamW step per minibatch. ``step / floor`` is the framework's overhead;
 - both again while ``--load-threads`` busy processes (default: one per core) compete for the CPUs:
-  ``loaded / quiet`` is the degradation, for omnirl's step and for the bare loop.
+  ``loaded / quiet`` is the degradation, for omnirl's step and for the bare loop; ``settled``: the same
+  without each round's first step (the step the load started or stopped under: the default policy re-judges
+  its pool at each step, so it answers a change one step later).
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 
@@ -210,6 +212,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         out[mode]["overhead"] = step_s / out[mode]["floor_s"]
     out["degradation"] = out["loaded"]["step_s"] / out["quiet"]["step_s"]
     out["bare_degradation"] = out["loaded"]["floor_s"] / out["quiet"]["floor_s"]
+    if args.steps > 1:  # once settled: without each round's first step, the one the load changed under
+        for mode in ("quiet", "loaded"):
+            settled = [s for i, s in enumerate(out[mode]["steps"]) if i % args.steps]
+            out[mode]["settled_step_s"] = statistics.median(settled)
+        out["settled_degradation"] = out["loaded"]["settled_step_s"] / out["quiet"]["settled_step_s"]
     return out
 
 
@@ -250,8 +257,9 @@ def main() -> None:
         r = result["policies"][key]
         print(f"{key:>10}: quiet step {r['quiet']['step_s']:.3f} s (floor {r['quiet']['floor_s']:.3f} s, overhead "
               f"{r['quiet']['overhead']:.2f}x) | loaded step {r['loaded']['step_s']:.3f} s (floor "
-              f"{r['loaded']['floor_s']:.3f} s) | degradation {r['degradation']:.2f}x, bare loop "
-              f"{r['bare_degradation']:.2f}x", flush=True)
+              f"{r['loaded']['floor_s']:.3f} s) | degradation {r['degradation']:.2f}x"
+              + (f" (settled {r['settled_degradation']:.2f}x)" if "settled_degradation" in r else "")
+              + f", bare loop {r['bare_degradation']:.2f}x", flush=True)
     result["load_avg_1m_after"] = os.getloadavg()[0]
     sys.path.insert(0, str(HERE))
     from _train import environment, write

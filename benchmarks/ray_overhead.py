@@ -1,7 +1,7 @@
 """Overhead of the Ray executor vs inline on the same tiny run.
 
     python benchmarks/ray_overhead.py [--rounds 3] [--steps 4] [--workloads larger]
-    python benchmarks/ray_overhead.py --set run.threads=adaptive      # a setting for both executors
+    python benchmarks/ray_overhead.py --set run.threads=fixed         # a setting for both executors
     python benchmarks/ray_overhead.py --ray-set run.worker_cpus=1     # a setting for the Ray runs only
     python benchmarks/ray_overhead.py --ray-env GOMP_SPINCOUNT=1000   # an environment variable for them
 
@@ -63,7 +63,10 @@ def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
     return {"setup_s": setup_s, "first_step_s": records[0]["time/step_s"],
             "step_s": mean(records[1:], "time/step_s"), "rollout_s": mean(records[1:], "time/rollout_s"),
             "train_s": mean(records[1:], "time/train_s"), "reward_mean_last": records[-1]["reward/mean"],
-            "load_avg_1m": os.getloadavg()[0]}
+            "load_avg_1m": os.getloadavg()[0],
+            # the pool each step ran on and the wait share that set it (run.threads: adaptive, the default)
+            "threads": [r.get("threads/torch") for r in records],
+            "wait_shares": [round(r["threads/wait_share"], 3) if "threads/wait_share" in r else None for r in records]}
 
 
 def spawn(mode: str, workload: str, steps: int, sets: dict, env: dict[str, str]) -> dict:
@@ -110,7 +113,8 @@ def main() -> None:
                 run = spawn(mode, workload, args.steps, settings[mode], envs[mode])
                 runs[workload][mode].append(run)
                 print(f"round {round_ + 1} {workload} {mode}: step {run['step_s']:.3f}s (rollout "
-                      f"{run['rollout_s']:.3f}s, train {run['train_s']:.3f}s), load {run['load_avg_1m']:.1f}",
+                      f"{run['rollout_s']:.3f}s, train {run['train_s']:.3f}s), load {run['load_avg_1m']:.1f}, "
+                      f"pool per step {run['threads']}",
                       flush=True)
     for workload in workloads:
         a, b = runs[workload]["inline"], runs[workload]["ray"]

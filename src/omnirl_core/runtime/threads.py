@@ -19,7 +19,7 @@ while they wait much of the time, taking it back once they stop waiting. Other p
 effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
 the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
 2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
-one 1.9-2.2x (``benchmarks/README.md``).
+one 1.7-2.1x (``benchmarks/README.md``).
 
 What it costs: floating-point reductions split over threads, so where the thread count changes a sum's order
 the numbers change with the load (in the last bits, then through training). The tiny presets of Qwen-Image,
