@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,7 +64,9 @@ def main() -> None:
             p.wait()
     wall = time.perf_counter() - start
     proc.stdout = log.read_text()
-    summary = next((line for line in reversed(proc.stdout.splitlines()) if " in " in line and "=" in line),
+    # pytest's last line: "16 passed in 657.46s (0:10:57)", with -q; "==== ... in 12.3s ====" without
+    summary = next((line for line in reversed(proc.stdout.splitlines())
+                    if re.search(r"\b(passed|failed|error|errors|skipped|no tests ran)\b.* in [\d.]+s", line)),
                    proc.stdout.splitlines()[-1] if proc.stdout else "")
     failures = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     result = {"load_processes": args.load, "paths": paths, "exit_code": proc.returncode, "summary": summary,
