@@ -95,8 +95,8 @@ class ThreadGovernor:
 
     ``observe()`` (before a step's rollout) takes the share of the last step's runnable time that this
     process's threads spent waiting for a CPU: above ``drop_above`` it gives up a thread (never below 1), below
-    ``raise_below`` for ``patience`` phases in a row it takes one back (never above ``ceiling``). A thread taken
-    back that makes the wait jump again at once doubles the patience (up to 32 phases), so a load that leaves
+    ``raise_below`` for ``patience`` steps in a row it takes one back (never above ``ceiling``). A thread taken
+    back that makes the wait jump again at once doubles the patience (up to 32 steps), so a load that leaves
     room for some but not all threads does not flip the count every step. Steps with less than
     ``min_cpu_s`` of CPU time are added to the next one. The first time it gives up a thread it says so (once
     per process), with the fixed count that keeps a run reproducible bit for bit."""
