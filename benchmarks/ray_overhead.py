@@ -4,6 +4,7 @@
     python benchmarks/ray_overhead.py --set run.threads=fixed         # a setting for both executors
     python benchmarks/ray_overhead.py --ray-set run.worker_cpus=1     # a setting for the Ray runs only
     python benchmarks/ray_overhead.py --ray-env GOMP_SPINCOUNT=1000   # an environment variable for them
+    python benchmarks/ray_overhead.py --modes inline,ray,ray-whole     # also Ray with whole samples streamed
 
 Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Every run is a process of its own, as a user's
 would be (the inline runs never import Ray); Ray runs start a local instance with 3 logical CPUs: a colocated
@@ -11,7 +12,10 @@ actor+rollout worker with 2 CPUs and 2 reward actors. Rounds alternate the order
 first), so that the machine's drift hits both alike. Two workloads: the preset's (32 px, 6 steps: a step of
 a fraction of a second, where Ray's fixed per-step cost shows most) and a larger one (64 px, 10 steps,
 16 prompts x 4). Per run: the mean step time over the steps after the first, its rollout and train parts,
-the setup time; per workload: the ratio Ray / inline of each round and their median.
+the setup time; per workload: the ratio Ray / inline of each round and their median. ``ray-whole`` is the Ray
+run with the trajectories travelling (each sample streamed whole to the controller and sent back in the
+update's units), as before the colocated worker kept them: the algorithm is told, in that run's driver only,
+that its controller side reads trajectories (``Algorithm.controller_reads_trajectory``).
 Writes ``benchmarks/results/ray_overhead.json``.
 """
 
@@ -36,6 +40,7 @@ WORKLOADS = {
     "larger": {"rollout": {"prompts_per_step": 16, "group_size": 4, "num_steps": 10, "height": 64, "width": 64}},
 }
 RAY = {"executor": "ray", "worker_cpus": 2.0}
+MODES = ("inline", "ray", "ray-whole")
 
 
 def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
@@ -43,7 +48,11 @@ def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
     import torch
 
     torch.set_num_threads(2)
-    if mode == "ray":
+    if mode == "ray-whole":  # the executor decides in the driver whether the worker keeps the trajectories
+        from omnirl_core.flow.policy_gradient import FlowPolicyGradient
+
+        FlowPolicyGradient.controller_reads_trajectory = True
+    if mode.startswith("ray"):
         import ray
 
         ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
@@ -56,7 +65,7 @@ def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
         records = [ctl.train_step(step) for step in range(1, steps + 1)]
         ctl.executor.close()
     finally:
-        if mode == "ray":
+        if mode.startswith("ray"):
             import ray
 
             ray.shutdown()
@@ -90,7 +99,8 @@ def main() -> None:
     parser.add_argument("--ray-env", dest="ray_env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the Ray runs only, e.g. GOMP_SPINCOUNT=1000 (repeatable; "
                         "Ray's workers get the OpenMP ones)")
-    parser.add_argument("--child", choices=("inline", "ray"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="inline,ray", help=f"comma-separated, inline first: {', '.join(MODES)}")
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--sets-json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -98,43 +108,52 @@ def main() -> None:
         print(json.dumps(child(args.child, args.workload, args.steps, json.loads(args.sets_json))))
         return
     both = parse_set(args.sets)
-    settings = {"inline": both, "ray": deep_merge(deep_merge(both, {"run": RAY}), parse_set(args.ray_sets))}
+    ray_settings = deep_merge(deep_merge(both, {"run": RAY}), parse_set(args.ray_sets))
+    modes = [m for m in args.modes.split(",") if m]
+    if modes[:1] != ["inline"] or len(modes) < 2 or not set(modes) <= set(MODES):
+        parser.error(f"--modes: inline first, then one or more of {', '.join(MODES[1:])}")
+    settings = {m: both if m == "inline" else ray_settings for m in modes}
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
-    envs = {"inline": {}, "ray": dict(item.split("=", 1) for item in args.ray_env)}
-    result: dict = {"environment": environment(), "steps": args.steps, "rounds": args.rounds, "settings": settings,
-                    "ray_env": envs["ray"]}
-    runs: dict = {w: {"inline": [], "ray": []} for w in workloads}
+    ray_env = dict(item.split("=", 1) for item in args.ray_env)
+    envs = {m: {} if m == "inline" else ray_env for m in modes}
+    result: dict = {"environment": environment(), "steps": args.steps, "rounds": args.rounds, "modes": modes,
+                    "settings": settings, "ray_env": ray_env}
+    runs: dict = {w: {m: [] for m in modes} for w in workloads}
     for round_ in range(args.rounds):
         for workload in workloads:
-            for mode in (("inline", "ray") if round_ % 2 == 0 else ("ray", "inline")):
+            for mode in (modes if round_ % 2 == 0 else modes[::-1]):
                 run = spawn(mode, workload, args.steps, settings[mode], envs[mode])
                 runs[workload][mode].append(run)
                 print(f"round {round_ + 1} {workload} {mode}: step {run['step_s']:.3f}s (rollout "
                       f"{run['rollout_s']:.3f}s, train {run['train_s']:.3f}s), load {run['load_avg_1m']:.1f}, "
                       f"pool per step {run['threads']}",
                       flush=True)
+    def med(rs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rs)
+
     for workload in workloads:
-        a, b = runs[workload]["inline"], runs[workload]["ray"]
-        ratios = [rb["step_s"] / ra["step_s"] for ra, rb in zip(a, b)]
-
-        def med(rs: list[dict], key: str) -> float:
-            return statistics.median(r[key] for r in rs)
-
+        a = runs[workload]["inline"]
+        every = [x for m in modes for x in runs[workload][m]]
         result[workload] = {
-            "inline": a, "ray": b, "step_time_ratios": ratios, "step_time_ratio_median": statistics.median(ratios),
-            "median": {mode: {k: med(rs, k) for k in ("step_s", "rollout_s", "train_s", "setup_s")}
-                       for mode, rs in (("inline", a), ("ray", b))},
-            "same_last_reward": all(abs(x["reward_mean_last"] - a[0]["reward_mean_last"]) < 1e-5 for x in a + b),
+            **runs[workload],
+            "median": {m: {k: med(rs, k) for k in ("step_s", "rollout_s", "train_s", "setup_s")}
+                       for m, rs in runs[workload].items()},
+            "same_last_reward": all(abs(x["reward_mean_last"] - a[0]["reward_mean_last"]) < 1e-5 for x in every),
         }
         m = result[workload]["median"]
-        print(f"{workload}: step inline {m['inline']['step_s']:.3f}s ray {m['ray']['step_s']:.3f}s | ratio per round "
-              f"{', '.join(f'{x:.2f}' for x in ratios)}, median {result[workload]['step_time_ratio_median']:.2f} | "
-              f"rollout {m['inline']['rollout_s']:.2f} vs {m['ray']['rollout_s']:.2f}s, train "
-              f"{m['inline']['train_s']:.2f} vs {m['ray']['train_s']:.2f}s | same rewards: "
-              f"{result[workload]['same_last_reward']}")
+        for mode in modes[1:]:
+            ratios = [rb["step_s"] / ra["step_s"] for ra, rb in zip(a, runs[workload][mode])]
+            key = "" if mode == "ray" else f"_{mode}"  # "ray": the keys of earlier results
+            result[workload][f"step_time_ratios{key}"] = ratios
+            result[workload][f"step_time_ratio_median{key}"] = statistics.median(ratios)
+            print(f"{workload}: step inline {m['inline']['step_s']:.3f}s {mode} {m[mode]['step_s']:.3f}s | ratio per "
+                  f"round {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f} | rollout "
+                  f"{m['inline']['rollout_s']:.2f} vs {m[mode]['rollout_s']:.2f}s, train {m['inline']['train_s']:.2f} "
+                  f"vs {m[mode]['train_s']:.2f}s")
+        print(f"{workload}: same rewards in every run: {result[workload]['same_last_reward']}")
     print(f"wrote {write('ray_overhead', result)}")
 
 

@@ -79,6 +79,65 @@ def test_ray_colocated_run_matches_inline(ray_cluster, inline_metrics, tmp_path:
     assert (tmp_path / "checkpoints" / "step-000002" / "pytorch_lora_weights.safetensors").is_file()
 
 
+def test_the_colocated_worker_keeps_the_trajectories(ray_cluster, tmp_path: Path):
+    """Colocated, FlowGRPO: the controller's samples come without trajectories (one object per sample in the
+    stream), the update gets the worker's own back; an evaluation rollout (no update) and a split placement
+    stream whole samples."""
+    from omnirl_core.runtime.ray_executor import HELD_KEY
+
+    resolved = _resolved(tmp_path / "colocated", executor="ray", placement="colocated")
+    controller = Controller(resolved, tmp_path / "colocated")
+    controller.run_dir.prepare(resolved.dump(), [])
+    try:
+        controller.setup()
+        assert controller.executor.hold
+        samples, _ = controller.collect(1)
+        assert len(samples) == 8
+        assert all(s.latents is None and s.logprobs is None and "cond" not in s.extras for s in samples)
+        assert sorted(s.extras[HELD_KEY] for s in samples) == list(range(8))
+        assert all(s.output.shape == (3, 32, 32) for s in samples)  # the controller's grid and trackers read it
+        record = controller.learn(1, samples, {"time/collect_s": 0.0})
+        assert math.isfinite(record["loss"]) and math.isfinite(record["kl"])
+        evaluated, _ = controller.executor.rollout(controller.requests(1), evaluation=True)
+        assert all(s.latents is not None and HELD_KEY not in s.extras for s in evaluated)
+    finally:
+        controller.executor.close()
+    split = Controller(_resolved(tmp_path / "split", executor="ray", placement="split", worker_cpus=0.5),
+                       tmp_path / "split")
+    assert not split.executor.hold  # set at setup; the split test checks its run against inline
+
+
+def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing_one():
+    import torch
+
+    from omnirl_core.flow.policy_gradient import Transition
+    from omnirl_core.interfaces import GenRequest, Sample
+    from omnirl_core.runtime.ray_executor import HELD_KEY, restore_trajectories, reward_view
+
+    def sample(uid: int) -> Sample:
+        request = GenRequest(uid=uid, prompt=f"p{uid}", prompt_index=uid, group=0, seed=uid, height=8, width=8,
+                             plan=None)
+        return Sample(request=request, latents=torch.full((3, 2), float(uid)), sigmas=torch.ones(3),
+                      logprobs=torch.zeros(2), output=torch.zeros(3, 8, 8), extras={"cond": uid})
+
+    held = {0: sample(0), 1: sample(1)}
+    light = []
+    for key, full in held.items():
+        view = reward_view(full)
+        view.extras[HELD_KEY] = key
+        view.reward, view.advantage = 0.5 + key, -1.0 + key  # what the controller set
+        light.append(view)
+    units = [Transition(s, j) for s in light for j in (0, 1)]  # units share their sample
+    assert restore_trajectories(units, held) == 2
+    for key, s in enumerate(light):
+        assert s.latents is held[key].latents and s.extras == {"cond": key}
+        assert (s.reward, s.advantage) == (0.5 + key, -1.0 + key)
+    stray = reward_view(sample(5))
+    stray.extras[HELD_KEY] = 5
+    with pytest.raises(RuntimeError, match=r"held key 5, prompt 'p5'.*later rollout"):
+        restore_trajectories([Transition(stray, 0)], held)
+
+
 def test_ray_split_run_syncs_lora_and_matches_inline(ray_cluster, inline_metrics, tmp_path: Path):
     got = _metrics(tmp_path, executor="ray", placement="split", worker_cpus=0.5, reward_mode="sync")
     _same(inline_metrics, got)

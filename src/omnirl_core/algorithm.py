@@ -34,6 +34,12 @@ class Algorithm:
     uses_reference: bool = False
     """Whether this configuration has a reference term (e.g. ``beta > 0``); set in ``__init__``."""
 
+    controller_reads_trajectory: bool = True
+    """Whether ``assign_advantages`` or ``training_units`` read a sample's trajectory (``latents``, ``sigmas``,
+    ``logprobs``, ``extras``). False lets a colocated Ray worker keep the trajectories where it made them: the
+    controller gets each sample without them (its request, output and rewards), and the update finds them in the
+    worker's memory instead of receiving them back (``omnirl_core.runtime.ray_executor``)."""
+
     has_eval_policy: bool = False
     """Whether ``eval_policy`` swaps in other weights than the trained ones (then checkpoints also hold those
     weights, in ``eval-weights/``); set in ``__init__``."""

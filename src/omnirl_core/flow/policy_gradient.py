@@ -97,6 +97,7 @@ class FlowPolicyGradient(Algorithm):
     ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
 
     reference_fields = ("ref_mean",)
+    controller_reads_trajectory = False  # advantages from rewards, units are (sample, step) references
 
     needs_old_mean = False
     """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``

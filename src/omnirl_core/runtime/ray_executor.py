@@ -22,6 +22,14 @@ becomes two objects in Ray's store, its reward view (output, prompt, inputs: wha
 sample. In async mode the controller hands each view to a reward actor the moment it appears (it goes
 from store to reward actor, not through the controller), so rewards overlap the rest of the rollout; in
 sync mode the views are scored after the rollout. The update waits for all of it.
+
+Trajectories stay where they were made when they can: with ``placement: colocated``, no separate reference
+worker and an algorithm whose controller side reads no trajectory (``Algorithm.controller_reads_trajectory``,
+the flow policy-gradient family), the worker keeps each sample's trajectory (latents, sigmas, log-probs,
+conditioning) in its memory and streams one object per sample, its reward view, which is also the
+controller's sample. The units of the update come back without trajectories and the worker puts its own
+back into them. A sample's trajectory would otherwise travel to the controller and back each step: the
+latents of every denoising step, which for a video model are tens of MB a sample.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ class WorkerActor:
 
     def __init__(self, resolved: ResolvedRun, roles: list[str], rank: int, world_size: int):
         self.worker = Worker(resolved, set(roles), rank=rank, world_size=world_size)
+        self.held: dict[int, Sample] = {}  # the last rollout's trajectories, by hold key (``generate(hold=True)``)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -68,18 +77,30 @@ class WorkerActor:
 
         return torch.get_num_threads()
 
-    def generate(self, requests: list[GenRequest], evaluation: bool = False):
-        """Per finished sample two objects: what its rewards read (``reward_view``), then the sample."""
+    def generate(self, requests: list[GenRequest], evaluation: bool = False, hold: bool = False):
+        """Per finished sample two objects: what its rewards read (``reward_view``), then the sample. ``hold``:
+        one object, the reward view with the key under which this worker keeps the sample (``update`` puts the
+        trajectory back); the trajectories of an earlier rollout are dropped."""
         self.worker.adapt_threads()  # run.threads: adaptive, at the step boundary
+        self.held.clear()
         for sample in self.worker.generate(requests, evaluation):
-            yield reward_view(sample)
-            yield sample
+            if hold:
+                key = len(self.held)
+                self.held[key] = sample
+                view = reward_view(sample)
+                view.extras[HELD_KEY] = key
+                yield view
+            else:
+                yield reward_view(sample)
+                yield sample
 
     def update(self, units: list[Any], step: int, reference: list[Any] | None = None) -> dict[str, float]:
         """``reference``: [ObjectRef] of the reference worker's outputs, boxed in a list so that Ray does not
         wait for it before the call: the actor runs its own no-grad pass first, then fetches it."""
         import ray
 
+        restore_trajectories(units, self.held)
+        self.held.clear()
         fetch = (lambda: ray.get(reference[0])) if reference else None
         return self.worker.update(units, step, reference=fetch)
 
@@ -109,6 +130,30 @@ def reward_view(sample: Sample) -> Sample:
     """The part of a sample its rewards read (output, prompt, request inputs), without the trajectory and the
     conditioning: what travels to a reward actor."""
     return Sample(request=sample.request, latents=None, sigmas=None, logprobs=None, output=sample.output)
+
+
+HELD_KEY = "omnirl.held"  # in a held sample's extras: its key in the worker that made it
+
+
+def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
+    """Puts the worker's kept trajectories back into the samples of ``units`` that came without them (their
+    ``extras`` hold a ``HELD_KEY``); what the controller set on them (rewards, advantage) stays. Returns how many
+    samples were restored; an error names a sample this worker does not hold (a step's units sent after the next
+    rollout began)."""
+    restored = 0
+    for unit in units:
+        sample = getattr(unit, "sample", None)
+        if not isinstance(sample, Sample) or HELD_KEY not in sample.extras:
+            continue  # not held, or restored already (units share their sample)
+        key = sample.extras[HELD_KEY]
+        if key not in held:
+            raise RuntimeError(f"a unit's sample (held key {key}, prompt {sample.prompt!r}) is not held by this "
+                               "worker: its trajectory went with a later rollout")
+        source = held[key]
+        sample.latents, sample.sigmas, sample.logprobs = source.latents, source.sigmas, source.logprobs
+        sample.extras = source.extras
+        restored += 1
+    return restored
 
 
 class RewardActor:
@@ -260,6 +305,7 @@ class RayExecutor:
         self.reward_actors: list[Any] = []
         self.pools: list[Any] = []
         self._started_ray = False
+        self.hold = False  # the colocated worker keeps the trajectories (``setup``)
         self.eval_weights_differ = False  # the algorithm evaluates other weights than it trains (an EMA)
 
     # -- placement -----------------------------------------------------------------------------
@@ -317,6 +363,9 @@ class RayExecutor:
         algorithm = build_algorithm(r)
         separate_reference = reference_placement(r, algorithm) == "separate"
         self.eval_weights_differ = algorithm.has_eval_policy
+        # the colocated worker keeps the trajectories it made when nothing else needs them: the controller's side
+        # of the algorithm reads none and no reference worker evaluates the units
+        self.hold = self.colocated and not separate_reference and not algorithm.controller_reads_trajectory
         reward_opts = self._reward_options()
         self._check_capacity({
             "train": [_bundle(worker_opts)] * run.train_workers,
@@ -405,9 +454,12 @@ class RayExecutor:
         refs, views = [], []
         run = self.resolved.config.run
         dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching)
-        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation)
-        for index, ref in enumerate(stream):  # a sample's reward view, then the sample
-            if index % 2:
+        hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
+        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
+        for index, ref in enumerate(stream):  # a sample's reward view, then the sample; held: the view only
+            if hold:
+                refs.append(ref)
+            elif index % 2:
                 refs.append(ref)
                 continue
             views.append(ref)
