@@ -4,8 +4,10 @@ that an algorithm's tests import no model or engine plugin.
 ``check_algorithm_step(build)`` plays one RL step the way the runtime does: the controller's instance plans
 the step, a rollout of groups of samples (``omnirl_core.testing.rollout``) is rewarded by brightness, the
 controller's instance assigns advantages and builds the units, and a separate actor instance (as under Ray)
-prepares and optimises them with the core's training helpers. It checks the contract (finite loss, metrics
-that are numbers, a weight change) and returns the step's metrics.
+prepares and optimises them with the core's training helpers. An algorithm that declares
+``controller_reads_trajectory = False`` gets the samples on the controller's side without their trajectories,
+as a colocated Ray worker hands them out, and the actor's units get them back. It checks the contract (finite
+loss, metrics that are numbers, a weight change) and returns the step's metrics.
 """
 
 from __future__ import annotations
@@ -40,12 +42,34 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
             request.uid, request.group = g * group_size + k, g
             requests.append(request)
     samples = rollout(model, requests)
+    held: dict[int, Any] = {}
+    if not controller.controller_reads_trajectory:
+        # as a colocated Ray worker runs it: the controller's side gets each sample without its trajectory, and
+        # the worker puts its own back into the units (omnirl_core.runtime.ray_executor)
+        from omnirl_core.runtime.ray_executor import HELD_KEY, reward_view
+
+        held = dict(enumerate(samples))
+        samples = [reward_view(s) for s in samples]
+        for key, s in enumerate(samples):
+            s.extras[HELD_KEY] = key
     for s in samples:
         s.reward = float(s.output.mean())
         s.rewards = {"brightness": s.reward}
-    adv_metrics = controller.assign_advantages(samples)
-    units = controller.training_units(samples)
+    try:
+        adv_metrics = controller.assign_advantages(samples)
+        units = controller.training_units(samples)
+    except (AttributeError, TypeError) as e:
+        if held:
+            raise AssertionError(
+                f"{type(controller).__name__}.controller_reads_trajectory is False, but assign_advantages or "
+                f"training_units read a sample's trajectory (latents, sigmas, logprobs, extras): {e}. Set it to "
+                "True, or read only the request, output and rewards there.") from e
+        raise
     assert units, "training_units returned nothing to train on"
+    if held:
+        from omnirl_core.runtime.ray_executor import restore_trajectories
+
+        assert restore_trajectories(units, held), "the units carry no held sample (unit.sample)"
     params = model.trainable_parameters()
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=lr)
