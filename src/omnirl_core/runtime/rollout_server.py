@@ -82,6 +82,8 @@ def serve(handlers: dict[str, Handler], setup: Callable[[], None] | None = None,
     server: HTTPServer
 
     class _Handler(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True  # TCP_NODELAY: headers and body are two writes (see reward_server)
+
         def log_message(self, fmt: str, *args: Any) -> None:  # the trainer's log stays clean
             return
 

@@ -81,6 +81,21 @@ def test_images_video_and_text_score_as_in_process(serve):
     assert encode_output(video)["kind"] == "video" and len(encode_output(video)["frames"]) == 5
 
 
+def test_replies_leave_at_once_on_a_kept_alive_connection(serve):
+    """A reply is two writes, headers and body: with Nagle's algorithm the body waited for the client's delayed
+    ACK of the headers, 40 ms on every call of a kept-alive connection. The server's sockets set TCP_NODELAY."""
+    import socket
+
+    server = serve(brightness)
+    remote = RemoteReward(RemoteOptions(url=server.url))
+    for _ in range(2):  # the second call on the connection the first one opened
+        remote(_images(1), ["a"])
+    with server._connections_lock:
+        connections = list(server.connections)
+    assert connections, "the client's connection should be kept alive"
+    assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in connections)
+
+
 def test_concurrent_requests_are_batched_and_records_reach_the_reward(serve):
     reward = Recording(delay_s=0.05)
     server = serve(reward, max_batch=64, max_wait_ms=20)
