@@ -107,6 +107,49 @@ def test_the_colocated_worker_keeps_the_trajectories(ray_cluster, tmp_path: Path
     assert not split.executor.hold  # set at setup; the split test checks its run against inline
 
 
+def test_a_reward_slot_that_frees_takes_the_waiting_samples_before_the_next_one_arrives(ray_cluster, tmp_path: Path):
+    """Two samples come at once to one slot, then the rollout is slow to make the third: the second sample goes to
+    the slot when its first call finishes, not when the third sample arrives (which waits for a file here)."""
+    import threading
+    import time
+
+    from omnirl_core.runtime.ray_executor import _RewardDispatch, consume_stream
+
+    flag = tmp_path / "third"
+
+    @ray.remote(num_cpus=0)
+    def rollout():
+        yield "a"
+        yield "b"
+        while not flag.exists():
+            time.sleep(0.05)
+        yield "c"
+
+    @ray.remote(num_cpus=0)
+    class Scorer:
+        def score(self, *views):
+            time.sleep(0.5)  # still busy when "b" arrives
+            return [({}, 0.0) for _ in views], 0.5
+
+    dispatch = _RewardDispatch([Scorer.remote()], concurrency=1, batching=False)
+    out: list = []
+    reader = threading.Thread(target=lambda: out.append(consume_stream(
+        rollout.options(num_returns="streaming").remote(), dispatch, hold=True, score=True)))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(dispatch.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(dispatch.calls) == 2, "the waiting sample stayed queued until the next one arrived"
+    finally:
+        flag.touch()
+        reader.join(60)
+    views, samples = out[0]
+    assert ray.get(views) == ray.get(samples) == ["a", "b", "c"]
+    dispatch.drain()
+    assert len(ray.get(dispatch.calls)) == 3
+
+
 def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing_one():
     import torch
 

@@ -218,12 +218,53 @@ class _RewardDispatch:
             self._free(timeout=0)
         self._send_shares()
 
+    def in_flight(self) -> list[Any]:
+        return list(self._busy)
+
+    def waiting(self) -> bool:
+        """Samples wait while every slot is busy: a call that finishes should take them at once."""
+        return bool(self.pending) and bool(self._busy)
+
+    def refill(self) -> None:
+        """The slots of the calls that finished take the waiting samples."""
+        self._free(timeout=0)
+        self._send_shares()
+
     def drain(self) -> None:
         """After the rollout: every waiting sample sent, each share as a slot frees."""
         self._send_shares()
         while self.pending:
             self._free(timeout=None)
             self._send_shares()
+
+
+def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bool) -> tuple[list[Any], list[Any]]:
+    """Reads a rollout's stream (per sample its reward view, then the sample; ``hold``: the view only, which is
+    also the sample) into (views, samples), and with ``score`` hands each view to a reward call slot as it comes.
+    While samples wait for a slot, whichever comes first is taken: the next sample, or a finished call, whose
+    slot then takes the waiting samples at once rather than when the next sample arrives."""
+    import ray
+
+    views: list[Any] = []
+    samples: list[Any] = []
+    while True:
+        if score and dispatch.waiting():
+            ready, _ = ray.wait([stream, *dispatch.in_flight()], num_returns=1, fetch_local=False)
+            if not any(r is stream for r in ready):
+                dispatch.refill()
+                continue
+        try:
+            ref = next(stream)
+        except StopIteration:
+            return views, samples
+        if not hold and len(views) > len(samples):  # the sample after its view
+            samples.append(ref)
+            continue
+        views.append(ref)
+        if hold:
+            samples.append(ref)
+        if score:  # straight from the object store to a reward actor with a free call slot
+            dispatch.add(ref)
 
 
 RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
@@ -451,20 +492,11 @@ class RayExecutor:
                 self.sync_weights()
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
-        refs, views = [], []
         run = self.resolved.config.run
         dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching)
         hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
-        for index, ref in enumerate(stream):  # a sample's reward view, then the sample; held: the view only
-            if hold:
-                refs.append(ref)
-            elif index % 2:
-                refs.append(ref)
-                continue
-            views.append(ref)
-            if mode == "async":  # straight from the object store to a reward actor with a free call slot
-                dispatch.add(ref)
+        views, refs = consume_stream(stream, dispatch, hold, mode == "async")
         rollout_end = time.perf_counter()
         if mode == "sync":  # one chunk per call slot: actors x the calls each serves at once
             size = -(-len(views) // dispatch.slots) if views else 1
