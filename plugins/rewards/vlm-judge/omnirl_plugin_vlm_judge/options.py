@@ -159,6 +159,11 @@ class VLMJudgeOptions(BaseModel):
                              "(at most 30 s; a Retry-After header up to 30 s is honoured).")
     max_response_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="Largest reply body read; a "
                                     "larger one is an error and is not read further.")
+    image_format: Literal["png", "jpeg"] = Field(
+        "png", description="How each image is sent: png (lossless: the judge sees the sample's pixels) or jpeg "
+        "(lossy; at quality 95 a 1024 px image encodes in under 10 ms where PNG takes over 100 ms of the "
+        "trainer's CPU, and is 3-5x smaller).")
+    jpeg_quality: int = Field(95, ge=1, le=100, description="image_format=jpeg: the JPEG quality (1-100).")
 
     @field_validator("prompt_template")
     @classmethod

@@ -1,7 +1,7 @@
 """The ``vlm-judge`` reward: each image and its prompt go to a VLM served with the OpenAI-compatible
 chat-completions API (vLLM, SGLang, vllm-omni); the score is parsed from the reply.
 
-One image per request (a base64 PNG data URL in an ``image_url`` content part), ``temperature`` 0. A batch
+One image per request (a base64 PNG data URL in an ``image_url`` content part; JPEG with ``image_format``), ``temperature`` 0. A batch
 is judged with up to ``concurrency`` requests in flight. The requests run on one asyncio event loop in a
 background thread (an ``httpx.AsyncClient`` and its connection pool): httpx's timeouts bound each network
 operation, not a whole request, and only cancelling the request bounds it by a wall-clock deadline - also
@@ -49,8 +49,8 @@ def chat_completions_url(url: str) -> str:
     return urlunsplit(parts._replace(path=path))
 
 
-def png_data_url(output: Any) -> str:
-    """(3, H, W) or (H, W, 3) in [0, 1] (a tensor or an array) -> ``data:image/png;base64,...``."""
+def image_data_url(output: Any, image_format: str = "png", jpeg_quality: int = 95) -> str:
+    """(3, H, W) or (H, W, 3) in [0, 1] (a tensor or an array) -> ``data:image/png;base64,...`` (or jpeg)."""
     from PIL import Image
 
     array = output.detach().cpu().float().numpy() if hasattr(output, "detach") else np.asarray(output)
@@ -60,8 +60,11 @@ def png_data_url(output: Any) -> str:
         array = np.transpose(array, (1, 2, 0))
     image = Image.fromarray((np.clip(np.nan_to_num(array), 0, 1) * 255).round().astype(np.uint8).squeeze())
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    if image_format == "jpeg":
+        image.save(buffer, format="JPEG", quality=jpeg_quality)
+    else:
+        image.save(buffer, format="PNG")
+    return f"data:image/{image_format};base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -153,7 +156,9 @@ class VLMJudge:
             raise JudgeError(f"vlm-judge got {len(outputs)} outputs but {len(prompts)} prompts")
         if not outputs:
             return []
-        bodies = [self.request_body(png_data_url(o), p) for o, p in zip(outputs, prompts)]
+        opts = self.options
+        bodies = [self.request_body(image_data_url(o, opts.image_format, opts.jpeg_quality), p)
+                  for o, p in zip(outputs, prompts)]
         return self._run(self._score_all(bodies))
 
     def request_body(self, image_url: str, prompt: str) -> bytes:

@@ -157,6 +157,23 @@ def test_request_is_an_openai_chat_completion_with_a_png_data_url(fake_judge, mo
     assert "sk-omnirl-test" not in repr(judge) and "OMNIRL_TEST_API_KEY" in repr(judge)
 
 
+def test_jpeg_images_on_request(fake_judge):
+    judge_server = fake_judge()
+    judge = VLMJudge(VLMJudgeOptions(url=judge_server.url, image_format="jpeg", jpeg_quality=90))
+    try:
+        judge([np.full((3, 16, 24), 0.25, np.float32)], ["a red apple"])
+    finally:
+        judge.close()
+    url = judge_server.requests[0]["body"]["messages"][0]["content"][0]["image_url"]["url"]
+    prefix = "data:image/jpeg;base64,"
+    assert url.startswith(prefix)
+    jpeg = Image.open(io.BytesIO(base64.b64decode(url[len(prefix):])))
+    assert jpeg.format == "JPEG" and jpeg.size == (24, 16)
+    assert abs(float(np.asarray(jpeg.convert("RGB"), np.float32).mean()) - 64) <= 2  # lossy, near 0.25 * 255
+    with pytest.raises(ValidationError, match="image_format"):
+        VLMJudgeOptions(image_format="webp")
+
+
 def test_no_key_without_the_variable_and_yes_logprob_request(fake_judge, monkeypatch):
     judge_server = fake_judge()
     monkeypatch.delenv("OMNIRL_JUDGE_API_KEY", raising=False)
