@@ -107,6 +107,10 @@ class TrainSection(Section):
         "fraction stays above this for rs_fallback_steps steps; None never switches.",
     )
     rs_fallback_steps: int = Field(3, ge=1, description="Consecutive steps above rs_fallback before switching.")
+    cfg_grad: Literal["cond", "both"] = Field(
+        "cond", description="True CFG in the training forward: the gradient through the conditional branch only, "
+        "the unconditional one detached (cond: half the backward), or through both (both: one batched call with "
+        "grad, as flow_grpo's trainers do; the exact gradient of the guided log-prob).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the training engine.")
 
 

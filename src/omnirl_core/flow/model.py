@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -229,24 +230,50 @@ def shifted_sigmas(scheduler: Any, num_steps: int, seq_len: int, linspace: bool 
     return torch.as_tensor(np.asarray(scheduler.sigmas), dtype=torch.float32).clone()
 
 
+CFG_GRAD: ContextVar[str] = ContextVar("omnirl_cfg_grad", default="cond")  # train.cfg_grad, set by the worker
+
+
+@contextmanager
+def cfg_gradient(mode: str) -> Iterator[None]:
+    """``train.cfg_grad`` for the training forwards inside: ``cond`` detaches true CFG's unconditional branch,
+    ``both`` backpropagates through it too. A model that guides on its own reads ``cfg_grad_both()``."""
+    if mode not in ("cond", "both"):
+        raise ValueError(f"cfg_grad must be 'cond' or 'both', not {mode!r}")
+    token = CFG_GRAD.set(mode)
+    try:
+        yield
+    finally:
+        CFG_GRAD.reset(token)
+
+
+def cfg_grad_both() -> bool:
+    """Whether the unconditional branch computed now needs grad (grad enabled and ``train.cfg_grad: both``)."""
+    return torch.is_grad_enabled() and CFG_GRAD.get() == "both"
+
+
 def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float, renorm: bool = False,
                     forward_pair: Any = None) -> torch.Tensor:
-    """True classifier-free guidance over ``forward(conditioning) -> v``: v_u + w (v_c - v_u) for w > 1, the
-    unconditional branch without grad (it is detached in training). ``renorm`` rescales the guided prediction to
-    the conditional one's norm over the last dim (per token; Qwen-Image's true CFG).
+    """True classifier-free guidance over ``forward(conditioning) -> v``: v_u + w (v_c - v_u) for w > 1. In
+    training the unconditional branch is detached unless ``train.cfg_grad`` is ``both`` (``cfg_gradient``).
+    ``renorm`` rescales the guided prediction to the conditional one's norm over the last dim (per token;
+    Qwen-Image's true CFG).
 
     ``forward_pair(conditioning) -> v`` (optional): the same forward over the latents and sigmas repeated twice,
     given the conditional and unconditional conditionings concatenated. Without grad (the rollout, old and
-    reference log-probs) both branches then go through one batched call instead of two; with grad the
-    unconditional branch stays a separate no-grad call, so the backward pass never runs through it."""
+    reference log-probs), and with grad through both branches, they go through one batched call instead of two;
+    with the unconditional branch detached it stays a separate no-grad call, so the backward pass never runs
+    through it."""
     if guidance_scale <= 1.0:
         return forward(cond)
     if uncond is None:
         raise ValueError("CFG needs the unconditional conditioning")
-    if forward_pair is not None and not torch.is_grad_enabled():
+    both = cfg_grad_both()
+    if forward_pair is not None and (both or not torch.is_grad_enabled()):
         from omnirl_core.interfaces import Conditioning
 
         v, v_u = forward_pair(Conditioning.cat([cond, uncond])).chunk(2)
+    elif both:
+        v, v_u = forward(cond), forward(uncond)
     else:
         v = forward(cond)
         with torch.no_grad():

@@ -144,14 +144,22 @@ def _activation_bytes(sizing: ModelSizing, config: Any, dtype_bytes: int, checkp
     rollout_batch = rollout_batch_size(config)
     lora_rank = config.model.lora.rank if sizing.lora else None
     extra_train, extra_rollout = sizing.per_sample_bytes * micro, sizing.per_sample_bytes * rollout_batch
+    cfg = config.rollout.guidance_scale > 1.0
+    both = cfg and config.train.cfg_grad == "both"  # both branches' rows in one call with grad
     if sizing.probe is not None:
-        acts = trace_activations(sizing.probe, micro, lora_rank, checkpointing)
-        train = acts.with_cfg() if config.rollout.guidance_scale > 1.0 else acts.peak
+        acts = trace_activations(sizing.probe, 2 * micro if both else micro, lora_rank, checkpointing)
+        train = acts.with_cfg() if cfg and not both else acts.peak
         return train + extra_train, no_grad_peak(sizing.probe, rollout_batch) + extra_rollout
-    train = transformer_activation_bytes(sizing.tokens, sizing.hidden, sizing.layers, micro, dtype_bytes,
-                                         checkpointing)
+    train = transformer_activation_bytes(sizing.tokens, sizing.hidden, sizing.layers, 2 * micro if both else micro,
+                                         dtype_bytes, checkpointing)
     rollout = transformer_activation_bytes(sizing.tokens, sizing.hidden, 1, rollout_batch, dtype_bytes, False)
     return train + extra_train, rollout + extra_rollout
+
+
+def cfg_state(config: Any) -> str:
+    if config.rollout.guidance_scale <= 1.0:
+        return "off"
+    return "on, both branches with grad" if config.train.cfg_grad == "both" else "on"
 
 
 _DECODES: dict[tuple[Any, ...], int] = {}
@@ -211,7 +219,7 @@ def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSi
     seqs = rollout_batch_size(cfg)
     phases = (f"activations by phase (they take turns): train micro-batch of {cfg.train.micro_batch_size} "
               f"{train_act / GIB:.2f} GiB (gradient checkpointing {'on' if checkpointing else 'off'}, CFG "
-              f"{'on' if cfg.rollout.guidance_scale > 1 else 'off'}), rollout call of {seqs} {rollout_act / GIB:.2f} GiB, "
+              f"{cfg_state(cfg)}), rollout call of {seqs} {rollout_act / GIB:.2f} GiB, "
               f"VAE decode of {seqs} {decode / GIB:.2f} GiB")
 
     actor: dict[str, int] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.errors import PluginError, UsageError
+from omnirl_core.flow.model import cfg_gradient
 from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.runtime.precision import offload_frozen, upcast_adapters
@@ -177,7 +178,8 @@ class Worker:
         if not self._adapted:
             self.adapt_threads()  # a worker that only trains (Ray, apart from the rollout): its step starts here
         self._adapted = False
-        metrics = self.trainer.update(self.algorithm, units, step, reference=reference)
+        with cfg_gradient(self.resolved.config.train.cfg_grad):  # the training forwards' CFG gradient
+            metrics = self.trainer.update(self.algorithm, units, step, reference=reference)
         self.algorithm.after_update(self.model)  # e.g. DiffusionNFT folds the update into its EMA sampler
         return {**metrics, **self.thread_metrics()}  # the pool the step ran on
 

@@ -17,7 +17,7 @@ import copy
 import json
 import re
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from omnirl_core.ar.model import adapters_disabled
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
-from omnirl_core.flow.model import DTYPES, DenoiserModel
+from omnirl_core.flow.model import DTYPES, DenoiserModel, cfg_grad_both
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_bagel.checkpoint import load_autoencoder, load_tokenizer, load_transformer, save_checkpoint
@@ -241,8 +241,8 @@ class BagelModel(DenoiserModel):
         if guidance_scale > 1.0:
             if uncond is None:
                 raise ValueError("CFG needs the unconditional (text-dropped) conditioning")
-            with torch.no_grad():  # the unconditional branch is detached in training, as everywhere in omnirl
-                v_uncond = self._branch(tokens, sigma, uncond, h, w)
+            with nullcontext() if cfg_grad_both() else torch.no_grad():  # detached in training unless
+                v_uncond = self._branch(tokens, sigma, uncond, h, w)        # train.cfg_grad is both
             v = self.guide(v, v_uncond, guidance_scale, sigma.to(self.device))
         return unpatchify(v, h, w, p)
 

@@ -193,6 +193,41 @@ def test_cfg_is_bagels_text_cfg_with_renorm(shared, monkeypatch):
     torch.testing.assert_close(out[:2], (raw * per_token[..., None])[:2])
 
 
+def test_train_cfg_grad_both_differentiates_the_unconditional_branch(tiny_dir: Path):
+    from omnirl_core.flow.model import cfg_gradient
+
+    model = _model(tiny_dir)
+    _perturb([p for p in model.denoiser.parameters() if p.requires_grad], scale=0.05)  # LoRA B away from zero
+    x = torch.randn(2, *model.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(1))
+    cond = Conditioning.cat([model.encode(["a red square"]), model.encode(["a blue car on a street"])])
+    uncond = Conditioning.cat([model.encode([""])] * 2)
+    s = torch.tensor([0.9, 0.55])
+    trained = [p for p in model.denoiser.parameters() if p.requires_grad]
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def grads(mode: str | None) -> list[torch.Tensor]:
+        for p in trained:
+            p.grad = None
+        if mode is None:  # written out: BAGEL's guide over both branches, both differentiated
+            p_ = model.config.latent_patch_size
+            h, w = x.shape[-2] // p_, x.shape[-1] // p_
+            from omnirl_plugin_bagel.model import patchify, unpatchify
+
+            tokens = patchify(x.to(model.device, model.dtype), p_)
+            v = unpatchify(model.guide(model._branch(tokens, s, cond, h, w), model._branch(tokens, s, uncond, h, w),
+                                       4.0, s), h, w, p_)
+        else:
+            with cfg_gradient(mode):
+                v = model.velocity(x, s, cond, 4.0, uncond)
+        (v * probe).sum().backward()  # not |v|^2: the renormalised velocity's norm is the conditional one's
+        return [p.grad.clone() for p in trained]
+
+    exact, both, detached = grads(None), grads("both"), grads("cond")
+    for e, b in zip(exact, both):
+        assert (e - b).abs().max() <= 1e-4 * (e.abs().max() + 1e-12)
+    assert max(((d - e).abs().max() / (e.abs().max() + 1e-12)).item() for d, e in zip(detached, exact)) > 1e-2
+
+
 def test_blank_prompt_is_the_text_dropped_context(shared):
     model = shared
     blank = model.encode([" "]).tensors
