@@ -162,7 +162,7 @@ class VLMJudgeOptions(BaseModel):
     image_format: Literal["png", "jpeg"] = Field(
         "png", description="How each image is sent: png (lossless: the judge sees the sample's pixels) or jpeg "
         "(lossy; at quality 95 a 1024 px image encodes in under 10 ms where PNG takes over 100 ms of the "
-        "trainer's CPU, and is 3-5x smaller).")
+        "trainer's CPU, and is 2.5-5x smaller; benchmarks/image_encoding.py).")
     jpeg_quality: int = Field(95, ge=1, le=100, description="image_format=jpeg: the JPEG quality (1-100).")
 
     @field_validator("prompt_template")
