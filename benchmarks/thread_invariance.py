@@ -3,6 +3,8 @@
 
     python benchmarks/thread_invariance.py                      # every pair below, about 6 minutes on 2 cores
     python benchmarks/thread_invariance.py --only bagel:flowgrpo --steps 5
+    python benchmarks/thread_invariance.py --only qwen-image:flowgrpo --set rollout.prompts_per_step=2 \
+        --set rollout.group_size=4                              # another batch shape
 
 Why it matters: the default thread policy (``run.threads: adaptive``) gives up a thread while the machine is
 loaded. Where a model's arithmetic does not depend on the count, that changes nothing but the speed; where it
@@ -24,11 +26,13 @@ PAIRS = ("qwen-image:flowgrpo", "qwen-image:dpo", "qwen-image:nft", "qwen-image:
          "sd35:dancegrpo", "flux:flowgrpo", "wan22:flowgrpo", "bagel:flowgrpo", "qwen3-omni:gspo")
 
 
-def train(model: str, algo: str, threads: int, out: Path, steps: int) -> Path:
+def train(model: str, algo: str, threads: int, out: Path, steps: int, extra: list[str]) -> Path:
     script = Path(sys.executable).with_name("omnirl")  # the console script of this environment
     cmd = [str(script) if script.exists() else "omnirl", "train", "--model", model, "--algo", algo, "--preset", "tiny",
            "--steps", str(steps), "--output-dir", str(out), "--set", f"run.threads={threads}",
            "--set", f"run.save_every={steps}", "--set", f"run.sample_every={10 * steps}"]
+    for item in extra:
+        cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"{model} {algo} on {threads} thread(s) failed:\n{proc.stderr[-3000:]}")
@@ -57,21 +61,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", nargs="*", default=None, help="MODEL:ALGO pairs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (e.g. rollout.group_size=4); repeatable")
+    parser.add_argument("--tag", default="", help="written to thread_invariance-TAG.json instead")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     from _train import environment, write
 
-    result: dict[str, object] = {"steps": args.steps, "load_avg_1m_before": os.getloadavg()[0], "pairs": {}}
+    result: dict[str, object] = {"steps": args.steps, "overrides": args.set, "load_avg_1m_before": os.getloadavg()[0], "pairs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for pair in args.only or PAIRS:
             model, algo = pair.split(":")
-            one, two = (train(model, algo, n, Path(tmp) / f"{model}-{algo}-{n}", args.steps) for n in (1, 2))
+            one, two = (train(model, algo, n, Path(tmp) / f"{model}-{algo}-{n}", args.steps, args.set) for n in (1, 2))
             result["pairs"][pair] = row = compare(one, two)  # type: ignore[index]
             verdict = "identical" if row["identical"] else f"{row['differing']} of {row['tensors']} tensors differ, " \
                                                            f"largest by {row['max_abs_diff']:.3g}"
             print(f"{pair:>22}: {verdict}", flush=True)
     result["environment"] = environment()
-    print(f"wrote {write('thread_invariance', result)}")
+    print(f"wrote {write('thread_invariance' + (f'-{args.tag}' if args.tag else ''), result)}")
 
 
 if __name__ == "__main__":

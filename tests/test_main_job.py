@@ -60,7 +60,8 @@ def test_main_job_learns_and_writes_a_complete_run_directory(tmp_path: Path):
 
 def test_resume_continues_where_the_run_stopped(tmp_path: Path):
     run = tmp_path / "run"
-    args = [*MAIN_JOB, "--output-dir", str(run), "--set", "run.save_every=1"]
+    fixed = ["--set", "run.threads=fixed"]  # compared with a straight run: the same thread count whatever the load
+    args = [*MAIN_JOB, *fixed, "--output-dir", str(run), "--set", "run.save_every=1"]
     first = run_cli(*args, "--steps", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     before = _metrics(run)
@@ -73,7 +74,7 @@ def test_resume_continues_where_the_run_stopped(tmp_path: Path):
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"
     # a resumed run draws the same prompts/seeds as an uninterrupted one: compare with a straight run
     straight = tmp_path / "straight"
-    third = run_cli(*MAIN_JOB, "--output-dir", str(straight), "--steps", "4", "--set", "run.save_every=1")
+    third = run_cli(*MAIN_JOB, *fixed, "--output-dir", str(straight), "--steps", "4", "--set", "run.save_every=1")
     assert third.returncode == 0
     for a, b in zip(records, _metrics(straight)):
         assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-6)

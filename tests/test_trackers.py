@@ -22,7 +22,8 @@ BASE = ["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tin
         "--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4", "--set", "run.save_every=2",
         "--set", "run.sample_every=2", "--tracker", "tensorboard", "--tracker", "wandb", "--tracker", "broken-log",
         "--tracker", "broken-start", "--set", "data.prompts=builtin:colors", "--set", "run.eval_every=2",
-        "--set", "run.eval_prompts=2", "--set", "run.eval_samples=1"]
+        "--set", "run.eval_prompts=2", "--set", "run.eval_samples=1",
+        "--set", "run.threads=fixed"]  # compared across processes: the same thread count whatever the load
 SAME = ("reward/mean", "reward/std", "loss", "kl", "clip_frac")
 ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": FIXTURES, "OMNIRL_PLUGINS": "faulty_trackers"}
 

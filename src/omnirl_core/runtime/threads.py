@@ -22,8 +22,10 @@ the pool stays at its full size. Under a competing load of one busy thread per c
 one 1.7-2.1x (``benchmarks/README.md``).
 
 What it costs: floating-point reductions split over threads, so where the thread count changes a sum's order
-the numbers change with the load (in the last bits, then through training). The tiny presets of Qwen-Image,
-SD3.5, FLUX, Wan2.2 and Qwen3-Omni train bit-identically on 1 and 2 threads; BAGEL's does not. A fixed count
+the numbers change with the load (in the last bits, then through training). Whether they do depends on the
+model and the batch shape: at their default batch the tiny presets of Qwen-Image, SD3.5, FLUX, Wan2.2 and
+Qwen3-Omni train bit-identically on 1 and 2 threads, BAGEL's does not, and with 2 prompts x 4 samples neither
+Qwen-Image's nor SD3.5's does (``benchmarks/thread_invariance.py``). A fixed count
 (``run.threads: N``, or ``fixed`` for every available core) keeps a run reproducible bit for bit on any load;
 the governor says when it first gives up a thread, and every step's row records the pool it ran on
 (``threads/torch``) and the wait share that set it (``threads/wait_share``).
