@@ -119,6 +119,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 step per mode, 4 prompts, 32 px, 6 steps")
     parser.add_argument("--concurrency", type=int, default=1,
                         help="calls each reward worker serves at once (run.reward_concurrency)")
+    parser.add_argument("--judge-concurrency", type=int, default=None,
+                        help="the judge's requests in flight per reward instance (default: reward_concurrency on "
+                        "Ray, workers x reward_concurrency inline); the latency is set from the total")
     parser.add_argument("--executor", choices=("inline", "ray"), default="inline",
                         help="ray: a local Ray instance, reward actors instead of threads")
     parser.add_argument("--only", choices=("vlm_judge", "ocr", "learned"), default=None, help="run one scenario")
@@ -181,20 +184,26 @@ def run_judge(args, tmp: Path, workers: int, result: dict) -> None:
     probe.train_step(1)
     rollout_s = probe.train_step(2)["time/rollout_s"]
     probe.executor.close()
-    latency = 0.8 * rollout_s * workers * args.concurrency / (args.prompts * 4)
+    # the judge's own `concurrency` bounds the requests in flight of one reward instance (all the inline reward
+    # threads share one; each Ray reward actor has its own). By default workers x reward_concurrency requests are
+    # in flight; --judge-concurrency sets the instance's bound instead (on Ray: each actor's)
+    if args.judge_concurrency is not None:
+        in_flight = args.judge_concurrency
+        total = in_flight * (workers if args.executor == "ray" else 1)
+    else:
+        in_flight = args.concurrency if args.executor == "ray" else workers * args.concurrency
+        total = workers * args.concurrency
+    latency = 0.8 * rollout_s * total / (args.prompts * 4)  # the judge's capacity scores a step in 0.8 R
     judge, url = start_judge(latency)
     try:
         t0 = time.perf_counter()
-        # workers x reward_concurrency requests in flight, as the latency above assumes: the judge's own
-        # `concurrency` bounds the requests in flight of one reward instance (all the inline reward threads
-        # share one; each Ray reward actor has its own)
-        in_flight = args.concurrency if args.executor == "ray" else workers * args.concurrency
         reward = {"name": "vlm-judge", "options": {"url": url, "model": "stand-in", "concurrency": in_flight}}
         ctl = controller(tmp / "judge", workload(args, [reward], workers))
         result["vlm_judge"] = {
             "note": "The judge is a stand-in served over HTTP on this machine in another process, with a set "
                     "latency per image: it stands for a VLM judge on other hardware (its cost is latency).",
-            "latency_per_image_s": latency, "reward_workers": workers, **summary(alternate(ctl, args.steps)),
+            "latency_per_image_s": latency, "reward_workers": workers, "judge_concurrency": in_flight,
+            "requests_in_flight_max": total, **summary(alternate(ctl, args.steps)),
             "wall_s": time.perf_counter() - t0,
         }
     finally:

@@ -185,6 +185,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         step = 1
         rows: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
         floors: dict[str, list[float]] = {"quiet": [], "loaded": []}
+        floor_phases: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
         for _ in range(args.warmup):
             ctl.train_step(step)
             floor(ctl, step, pool)
@@ -197,7 +198,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                         record = ctl.train_step(step)
                         rows[mode].append({k: record[k] for k in ("time/step_s", "threads/torch", *PHASES)
                                            if k in record})
-                        floors[mode].append(floor(ctl, step, pool)["floor_s"])
+                        bare = floor(ctl, step, pool)
+                        floors[mode].append(bare["floor_s"])
+                        floor_phases[mode].append(bare)
                         step += 1
         ctl.executor.close()
         ctl.run_dir.unlock()
@@ -208,7 +211,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         phases["other_s"] = step_s - sum(phases.values())
         out[mode] = {"step_s": step_s, "floor_s": statistics.median(floors[mode]), "phases": phases,
                      "steps": [r["time/step_s"] for r in rows[mode]], "floors": floors[mode],
-                     "update_threads": [r.get("threads/torch") for r in rows[mode]]}
+                     "update_threads": [r.get("threads/torch") for r in rows[mode]],
+                     # the floor's own split: its rollout (transformer calls and decode) against the step's
+                     # rollout phase, its update against the step's train phase
+                     "floor_phases": {k.split("_", 1)[1]: statistics.median(f[k] for f in floor_phases[mode])
+                                      for k in ("floor_rollout_s", "floor_train_s")}}
         out[mode]["overhead"] = step_s / out[mode]["floor_s"]
     out["degradation"] = out["loaded"]["step_s"] / out["quiet"]["step_s"]
     out["bare_degradation"] = out["loaded"]["floor_s"] / out["quiet"]["floor_s"]
@@ -260,6 +267,10 @@ def main() -> None:
               f"{r['loaded']['floor_s']:.3f} s) | degradation {r['degradation']:.2f}x"
               + (f" (settled {r['settled_degradation']:.2f}x)" if "settled_degradation" in r else "")
               + f", bare loop {r['bare_degradation']:.2f}x", flush=True)
+        q = r["quiet"]
+        print(f"{'':>10}  quiet: rollout {q['phases']['rollout_s']:.3f} s (floor {q['floor_phases']['rollout_s']:.3f} s), "
+              f"train {q['phases']['train_s']:.3f} s (floor {q['floor_phases']['train_s']:.3f} s), reward "
+              f"{q['phases']['reward_s']:.3f} s, other {q['phases']['other_s']:.3f} s", flush=True)
     result["load_avg_1m_after"] = os.getloadavg()[0]
     sys.path.insert(0, str(HERE))
     from _train import environment, write
