@@ -78,6 +78,7 @@ def summary(records: dict) -> dict:
         out[mode] = {"step_s": mean(recs, "time/step_s"), "rollout_s": r, "reward_wait_s": w,
                      "reward_busy_s": mean(recs, "time/reward_busy_s"), "train_s": mean(recs, "time/train_s"),
                      "rollout_plus_reward_s": r + w, "steps": len(recs),
+                     "reward_calls": mean(recs, "time/reward_calls"),  # Ray: calls per step (inline: absent, 0)
                      "threads": [rec.get("threads/torch") for rec in recs]}  # the rollout's pool (run.threads)
     s, a = out["sync"], out["async"]
     r, w = s["rollout_s"], s["reward_wait_s"]

@@ -150,6 +150,90 @@ def test_a_reward_slot_that_frees_takes_the_waiting_samples_before_the_next_one_
     assert len(ray.get(dispatch.calls)) == 3
 
 
+def test_samples_that_finish_together_go_in_one_call_to_a_reward_that_judges_a_batch(ray_cluster, monkeypatch):
+    """Coalescing (the rewards have ``submit``): a wave of three samples that leave the rollout back to back goes
+    in one call; the next sample, which comes later, in another, though the first call still runs."""
+    import time
+
+    from omnirl_core.runtime import ray_executor
+    from omnirl_core.runtime.ray_executor import _RewardDispatch, consume_stream
+
+    monkeypatch.setattr(ray_executor, "COALESCE_S", 0.3)  # a wave's gaps on a loaded machine, well under the next's
+
+    @ray.remote(num_cpus=0)
+    def rollout():
+        for view in ("a", "b", "c"):  # noqa: UP028 - Ray's generator protocol needs real yields (no .send)
+            yield view
+        time.sleep(2.0)  # the next wave
+        yield "d"
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Scorer:
+        async def score(self, *views):
+            import asyncio
+
+            await asyncio.sleep(1.0)  # still judging the first wave when "d" comes
+            return list(views)
+
+    dispatch = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False, coalesce=True)
+    views, _ = consume_stream(rollout.options(num_returns="streaming").remote(), dispatch, hold=True, score=True)
+    dispatch.drain()
+    assert ray.get(views) == ["a", "b", "c", "d"]
+    assert ray.get(dispatch.calls) == [["a", "b", "c"], ["d"]]
+    # without coalescing, the same stream: a call per sample while slots are free
+    plain = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False)
+    consume_stream(rollout.options(num_returns="streaming").remote(), plain, hold=True, score=True)
+    plain.drain()
+    assert [len(c) for c in ray.get(plain.calls)] == [1, 1, 1, 1]
+
+
+def test_a_remote_judge_on_ray_scores_each_wave_in_one_call_of_an_async_actor(ray_cluster, tmp_path: Path,
+                                                                             monkeypatch):
+    """The vlm-judge reward (``submit``) on a Ray reward actor, async mode, against the stand-in judge served on
+    127.0.0.1: every sample gets the score the judge gives it when called directly, in fewer calls than
+    samples (the colocated worker finishes its 4 requests of a wave together)."""
+    import threading
+
+    from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
+    from omnirl_plugin_vlm_judge.reward import VLMJudge
+    from omnirl_plugin_vlm_judge.server import make_server
+
+    from omnirl_core.runtime import ray_executor
+
+    monkeypatch.setattr(ray_executor, "COALESCE_S", 0.3)  # a wave's gaps on a loaded machine
+    server = make_server()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    manager = PluginManager()
+    manager.load_modules([*PLUGINS, "omnirl_plugin_vlm_judge"])
+    resolved = resolve_run(manager, [{
+        "model": {"name": "qwen-image", "preset": "tiny", "lora": {"rank": 4, "alpha": 4}},
+        "algorithm": {"name": "flowgrpo"},
+        "rewards": [{"name": "vlm-judge", "options": {"url": url, "model": "stand-in", "concurrency": 4}}],
+        "data": {"prompts": "builtin:colors"},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "num_steps": 3, "height": 32, "width": 32,
+                    "options": {"max_num_seqs": 4, "decode_batch": 4}},
+        "run": {"seed": 11, "steps": 1, "output_dir": str(tmp_path), "device": "cpu", "executor": "ray",
+                "placement": "colocated", "reward_mode": "async", "reward_workers": 1, "reward_concurrency": 2},
+    }])
+    controller = Controller(resolved, tmp_path)
+    controller.run_dir.prepare(resolved.dump(), [])
+    judge = VLMJudge(VLMJudgeOptions(url=url, model="stand-in"))
+    try:
+        controller.setup()
+        assert controller.executor.reward_coalesce
+        samples, metrics = controller.collect(1)
+        want = judge([s.output for s in samples], [s.prompt for s in samples])
+        assert [s.rewards["vlm-judge"] for s in samples] == want
+        assert len(set(want)) > 1  # images of different brightness: a mix-up would show
+        assert 1 <= metrics["time/reward_calls"] < len(samples)
+    finally:
+        judge.close()
+        controller.executor.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing_one():
     import torch
 

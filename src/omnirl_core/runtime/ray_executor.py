@@ -170,9 +170,17 @@ class RewardActor:
 
         return torch.get_num_threads()
 
-    def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
+    def submittable(self) -> bool:
+        """Every reward judges a batch on its own threads or loop (``RewardSet.submittable``, e.g. a remote
+        judge): the driver then sends the samples that finish together in one call."""
+        return self.rewards.submittable
+
+    async def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
+        """An async actor: up to ``run.reward_concurrency`` calls at once on its event loop. A reward with
+        ``submit`` is awaited there (calls overlap without a thread each); any other runs on a thread of the
+        loop's executor, so that a CPU-bound reward scores as in a threaded actor."""
         start = time.perf_counter()
-        self.rewards.score(list(samples))
+        await self.rewards.ascore(list(samples))
         return [(s.rewards, s.reward) for s in samples], time.perf_counter() - start
 
 
@@ -182,8 +190,11 @@ class _RewardDispatch:
     a slot that frees takes the next one, or with ``batching`` (``run.reward_batching``) its fair share of them
     (the waiting count over the slots) in one call: fewer, larger calls when the rewards lag behind."""
 
-    def __init__(self, actors: list[Any], concurrency: int, batching: bool = True):
+    def __init__(self, actors: list[Any], concurrency: int, batching: bool = True, coalesce: bool = False):
         self.actors, self.concurrency, self.batching = actors, concurrency, batching
+        self.coalesce = coalesce
+        """The rewards judge a batch concurrently (``RewardActor.submittable``): a free slot takes every waiting
+        sample in one call, and the samples that finish together wait for each other (``COALESCE_S``)."""
         self.slots = len(actors) * concurrency
         self.calls: list[Any] = []
         self.pending: list[Any] = []
@@ -208,22 +219,32 @@ class _RewardDispatch:
 
     def _send_shares(self) -> None:
         while self.pending and len(self._busy) < self.slots:
-            share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
+            if self.coalesce:
+                share = len(self.pending)
+            else:
+                share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
             self.send(self.pending[:share])
             del self.pending[:share]
 
     def add(self, view: Any) -> None:
         self.pending.append(view)
+        self.flush()
+
+    def flush(self) -> None:
+        """The waiting samples to the free slots (a full pool first checks for a call that finished)."""
         if len(self._busy) >= self.slots:
             self._free(timeout=0)
         self._send_shares()
+
+    def slot_free(self) -> bool:
+        return len(self._busy) < self.slots
 
     def in_flight(self) -> list[Any]:
         return list(self._busy)
 
     def waiting(self) -> bool:
         """Samples wait while every slot is busy: a call that finishes should take them at once."""
-        return bool(self.pending) and bool(self._busy)
+        return bool(self.pending) and not self.slot_free()
 
     def refill(self) -> None:
         """The slots of the calls that finished take the waiting samples."""
@@ -238,6 +259,11 @@ class _RewardDispatch:
             self._send_shares()
 
 
+COALESCE_S = 0.01
+"""How long the driver waits for the next sample of a wave before it sends a coalesced reward call: the samples
+that finish together leave the rollout worker back to back, well within it."""
+
+
 def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bool) -> tuple[list[Any], list[Any]]:
     """Reads a rollout's stream (per sample its reward view, then the sample; ``hold``: the view only, which is
     also the sample) into (views, samples), and with ``score`` hands each view to a reward call slot as it comes.
@@ -248,6 +274,13 @@ def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bo
     views: list[Any] = []
     samples: list[Any] = []
     while True:
+        if score and dispatch.pending:
+            # coalescing: while the next item is about to come (the rest of a wave that finished together),
+            # read it first; it goes in the same call
+            more = dispatch.coalesce and dispatch.slot_free() and bool(
+                ray.wait([stream], num_returns=1, timeout=COALESCE_S, fetch_local=False)[0])
+            if not more:
+                dispatch.flush()
         if score and dispatch.waiting():
             ready, _ = ray.wait([stream, *dispatch.in_flight()], num_returns=1, fetch_local=False)
             if not any(r is stream for r in ready):
@@ -263,8 +296,8 @@ def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bo
         views.append(ref)
         if hold:
             samples.append(ref)
-        if score:  # straight from the object store to a reward actor with a free call slot
-            dispatch.add(ref)
+        if score:  # straight from the object store to a reward actor with a free call slot (at the loop's top)
+            dispatch.pending.append(ref)
 
 
 RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
@@ -344,6 +377,7 @@ class RayExecutor:
         self.rollout_worker: Any = None
         self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
+        self.reward_coalesce = False  # set in setup: every reward judges a batch concurrently (submit)
         self.pools: list[Any] = []
         self._started_ray = False
         self.hold = False  # the colocated worker keeps the trajectories (``setup``)
@@ -435,6 +469,7 @@ class RayExecutor:
         actor_opts = {**reward_opts, "max_concurrency": run.reward_concurrency}
         self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
+        self.reward_coalesce = bool(ray.get(self.reward_actors[0].submittable.remote()))
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:
             self.sync_weights()  # the rollout worker starts from the actor's exact weights
@@ -493,7 +528,8 @@ class RayExecutor:
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
         run = self.resolved.config.run
-        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching)
+        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching,
+                                   coalesce=self.reward_coalesce)
         hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
         views, refs = consume_stream(stream, dispatch, hold, mode == "async")

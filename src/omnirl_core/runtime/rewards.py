@@ -110,23 +110,70 @@ class RewardSet:
         start = time.perf_counter()
         for reward in self.rewards:
             try:
-                values = check_scores(self._call(reward, samples), len(samples))
-            except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
-                if reward.required:
-                    raise RewardError(
-                        f"Required reward '{reward.name}' failed on {len(samples)} sample(s): {message}",
-                        hint="Fix the reward, or mark it optional (rewards[].required=false) to drop it for "
-                        "the groups it fails on.",
-                    ) from exc
-                log.warning("optional reward %s failed on %d sample(s), dropped for their groups: %s",
-                            reward.name, len(samples), message)
-                continue
-            for sample, value in zip(samples, values):
-                sample.rewards[reward.name] = value
+                values = self._call(reward, samples)
+            except Exception as exc:  # noqa: BLE001 - judged by _record
+                values = exc
+            self._record(reward, samples, values)
         total(samples, self.rewards)
         with self._lock:  # reward threads score concurrently
             self.time_s += time.perf_counter() - start
+
+    @property
+    def submittable(self) -> bool:
+        """Every reward scores on its own threads or event loop (``submit``, see ``ascore``)."""
+        return all(callable(getattr(r.fn, "submit", None)) for r in self.rewards)
+
+    async def ascore(self, samples: list[Sample]) -> None:
+        """``score`` for an event loop (a Ray async reward actor): a reward with ``submit(outputs, prompts[,
+        inputs=])``, which starts the scoring on the reward's own threads or loop and returns a
+        ``concurrent.futures.Future``, is awaited without a thread of this loop's; any other reward runs on a
+        thread of the loop's executor. The same deadline, checks and failure handling as ``score``."""
+        import asyncio
+
+        if not samples:
+            return
+        start = time.perf_counter()
+        for reward in self.rewards:
+            submit = getattr(reward.fn, "submit", None)
+            try:
+                if callable(submit):
+                    kwargs = {"inputs": [s.request.inputs for s in samples]} \
+                        if getattr(reward.fn, "uses_inputs", False) else {}
+                    future = asyncio.wrap_future(submit([s.output for s in samples], [s.prompt for s in samples],
+                                                        **kwargs))
+                    try:
+                        values = await asyncio.wait_for(future, self.timeout_s)
+                    except asyncio.TimeoutError:
+                        raise RewardTimeout(f"no answer within {self.timeout_s:g} s (run.reward_timeout_s)") \
+                            from None
+                else:
+                    values = await asyncio.to_thread(self._call, reward, samples)
+            except Exception as exc:  # noqa: BLE001 - judged by _record
+                values = exc
+            self._record(reward, samples, values)
+        total(samples, self.rewards)
+        self.time_s += time.perf_counter() - start  # one event loop: no concurrent update
+
+    def _record(self, reward: RewardFn, samples: list[Sample], values: Any) -> None:
+        """A reward's answer (or the exception it raised) into the samples: checked scores, or the failure
+        handling of a required (raise) or optional (warn, leave it out) reward."""
+        try:
+            if isinstance(values, BaseException):
+                raise values
+            scores = check_scores(values, len(samples))
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            if reward.required:
+                raise RewardError(
+                    f"Required reward '{reward.name}' failed on {len(samples)} sample(s): {message}",
+                    hint="Fix the reward, or mark it optional (rewards[].required=false) to drop it for "
+                    "the groups it fails on.",
+                ) from exc
+            log.warning("optional reward %s failed on %d sample(s), dropped for their groups: %s",
+                        reward.name, len(samples), message)
+            return
+        for sample, value in zip(samples, scores):
+            sample.rewards[reward.name] = value
 
 
 def total(samples: list[Sample], rewards: Sequence[Any]) -> None:

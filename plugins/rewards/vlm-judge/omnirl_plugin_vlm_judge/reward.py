@@ -6,7 +6,7 @@ is judged with up to ``concurrency`` requests in flight. The requests run on one
 background thread (an ``httpx.AsyncClient`` and its connection pool): httpx's timeouts bound each network
 operation, not a whole request, and only cancelling the request bounds it by a wall-clock deadline - also
 against a server that trickles its headers or its body one byte at a time. Callers (any reward thread) get
-a plain blocking call.
+a plain blocking call; ``submit`` returns the future instead, which the core's Ray async reward actor awaits.
 
 Failures raise :class:`JudgeError` with a one-line message naming the server, never the key; the core's
 reward dispatch decides whether that fails the step or drops the reward for the batch. Retried: connection
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import io
 import ipaddress
 import json
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -133,9 +134,6 @@ class VLMJudge:
                 self._loop = loop
             return self._loop
 
-    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._start()).result()
-
     def close(self) -> None:
         """Close the connections and stop the loop thread (a later call starts them again)."""
         with self._lock:
@@ -152,14 +150,23 @@ class VLMJudge:
 
     # -- scoring -----------------------------------------------------------------------------
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+        return self.submit(outputs, prompts).result()
+
+    def submit(self, outputs: Sequence[Any], prompts: Sequence[str]) -> concurrent.futures.Future:
+        """Encodes the requests here, then judges them on the judge's own event loop: returns at once, with
+        the future of the scores (what a Ray async reward actor awaits: calls overlap without a thread each).
+        Cancelling the future cancels the requests."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
         if len(outputs) != len(prompts):
-            raise JudgeError(f"vlm-judge got {len(outputs)} outputs but {len(prompts)} prompts")
+            future.set_exception(JudgeError(f"vlm-judge got {len(outputs)} outputs but {len(prompts)} prompts"))
+            return future
         if not outputs:
-            return []
+            future.set_result([])
+            return future
         opts = self.options
         bodies = [self.request_body(image_data_url(o, opts.image_format, opts.jpeg_quality), p)
                   for o, p in zip(outputs, prompts)]
-        return self._run(self._score_all(bodies))
+        return asyncio.run_coroutine_threadsafe(self._score_all(bodies), self._start())
 
     def request_body(self, image_url: str, prompt: str) -> bytes:
         opts = self.options

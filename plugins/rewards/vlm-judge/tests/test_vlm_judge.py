@@ -204,6 +204,26 @@ def test_a_batch_is_judged_with_up_to_concurrency_requests_at_once(fake_judge):
     assert judge_server.max_in_flight == 4
 
 
+def test_submit_returns_at_once_and_overlapping_batches_share_the_concurrency(fake_judge):
+    """What the Ray reward actor awaits: two batches submitted back to back are judged together, within the
+    judge's one bound on requests in flight; a batch's error comes with its future."""
+    judge_server = fake_judge()
+    judge_server.mode, judge_server.latency_s = "slow", 0.5
+    judge = VLMJudge(VLMJudgeOptions(url=judge_server.url, concurrency=3))
+    try:
+        first = judge.submit([DARK] * 2, ["a", "b"])
+        second = judge.submit([DARK] * 2, ["c", "d"])
+        assert not first.done() and not second.done()  # submit never waits for the judge
+        assert first.result(20) == second.result(20) == [0.7, 0.7]
+        assert judge_server.max_in_flight == 3  # the second batch started before the first ended
+        refused = judge.submit([DARK], ["a", "b"])
+        with pytest.raises(Exception, match="got 1 outputs but 2 prompts"):
+            refused.result(5)
+        assert judge.submit([], []).result(5) == []
+    finally:
+        judge.close()
+
+
 def test_the_judge_is_shared_by_reward_threads(fake_judge):
     judge_server = fake_judge()
     judge = VLMJudge(VLMJudgeOptions(url=judge_server.url, concurrency=2))
