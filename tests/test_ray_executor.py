@@ -175,7 +175,7 @@ def test_samples_that_finish_together_go_in_one_call_to_a_reward_that_judges_a_b
             await asyncio.sleep(1.0)  # still judging the first wave when "d" comes
             return list(views)
 
-    dispatch = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False, coalesce=True)
+    dispatch = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False, coalesce=4)
     views, _ = consume_stream(rollout.options(num_returns="streaming").remote(), dispatch, hold=True, score=True)
     dispatch.drain()
     assert ray.get(views) == ["a", "b", "c", "d"]
@@ -221,7 +221,7 @@ def test_a_remote_judge_on_ray_scores_each_wave_in_one_call_of_an_async_actor(ra
     judge = VLMJudge(VLMJudgeOptions(url=url, model="stand-in"))
     try:
         controller.setup()
-        assert controller.executor.reward_coalesce
+        assert controller.executor.reward_coalesce == 4  # the judge's concurrency
         samples, metrics = controller.collect(1)
         want = judge([s.output for s in samples], [s.prompt for s in samples])
         assert [s.rewards["vlm-judge"] for s in samples] == want

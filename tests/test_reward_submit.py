@@ -83,7 +83,10 @@ def test_ascore_gives_what_score_gives_and_awaits_submit_without_a_thread():
     assert plain_threads[-1] != loop_threads[0]  # a plain reward never blocks the loop
     assert judged.submit_threads[-1] == loop_threads[0]  # submitted from the loop itself: no thread per call
     assert RewardSet([RewardFn("judge", judged)]).submittable
-    assert not RewardSet(rewards).submittable
+    assert not RewardSet(rewards).submittable and RewardSet(rewards).batch_capacity == 0
+    judged.capacity = 3
+    assert RewardSet([RewardFn("judge", judged)]).batch_capacity == 3
+    assert RewardSet([RewardFn("judge", judged), RewardFn("target", targets)]).batch_capacity == 1  # declares none
 
 
 def test_overlapping_ascore_calls_run_at_once():

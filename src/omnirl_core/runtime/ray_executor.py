@@ -170,10 +170,10 @@ class RewardActor:
 
         return torch.get_num_threads()
 
-    def submittable(self) -> bool:
-        """Every reward judges a batch on its own threads or loop (``RewardSet.submittable``, e.g. a remote
-        judge): the driver then sends the samples that finish together in one call."""
-        return self.rewards.submittable
+    def batch_capacity(self) -> int:
+        """``RewardSet.batch_capacity``: above 0 (every reward judges a batch on its own threads or loop, e.g. a
+        remote judge), the driver sends the samples that finish together in one call, up to this many."""
+        return self.rewards.batch_capacity
 
     async def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
         """An async actor: up to ``run.reward_concurrency`` calls at once on its event loop. A reward with
@@ -190,11 +190,12 @@ class _RewardDispatch:
     a slot that frees takes the next one, or with ``batching`` (``run.reward_batching``) its fair share of them
     (the waiting count over the slots) in one call: fewer, larger calls when the rewards lag behind."""
 
-    def __init__(self, actors: list[Any], concurrency: int, batching: bool = True, coalesce: bool = False):
+    def __init__(self, actors: list[Any], concurrency: int, batching: bool = True, coalesce: int = 0):
         self.actors, self.concurrency, self.batching = actors, concurrency, batching
         self.coalesce = coalesce
-        """The rewards judge a batch concurrently (``RewardActor.submittable``): a free slot takes every waiting
-        sample in one call, and the samples that finish together wait for each other (``COALESCE_S``)."""
+        """Above 0, the rewards judge a batch concurrently (``RewardActor.batch_capacity``): a free slot takes up to
+        this many waiting samples in one call, and the samples that finish together wait for each other
+        (``COALESCE_S``)."""
         self.slots = len(actors) * concurrency
         self.calls: list[Any] = []
         self.pending: list[Any] = []
@@ -219,10 +220,9 @@ class _RewardDispatch:
 
     def _send_shares(self) -> None:
         while self.pending and len(self._busy) < self.slots:
+            share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
             if self.coalesce:
-                share = len(self.pending)
-            else:
-                share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
+                share = max(share, min(len(self.pending), self.coalesce))
             self.send(self.pending[:share])
             del self.pending[:share]
 
@@ -275,9 +275,9 @@ def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bo
     samples: list[Any] = []
     while True:
         if score and dispatch.pending:
-            # coalescing: while the next item is about to come (the rest of a wave that finished together),
-            # read it first; it goes in the same call
-            more = dispatch.coalesce and dispatch.slot_free() and bool(
+            # coalescing: while a call could carry more and the next item is about to come (the rest of a wave
+            # that finished together), read it first; it goes in the same call
+            more = len(dispatch.pending) < dispatch.coalesce and dispatch.slot_free() and bool(
                 ray.wait([stream], num_returns=1, timeout=COALESCE_S, fetch_local=False)[0])
             if not more:
                 dispatch.flush()
@@ -377,7 +377,7 @@ class RayExecutor:
         self.rollout_worker: Any = None
         self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
-        self.reward_coalesce = False  # set in setup: every reward judges a batch concurrently (submit)
+        self.reward_coalesce = 0  # set in setup: samples per coalesced reward call (RewardActor.batch_capacity)
         self.pools: list[Any] = []
         self._started_ray = False
         self.hold = False  # the colocated worker keeps the trajectories (``setup``)
@@ -469,7 +469,7 @@ class RayExecutor:
         actor_opts = {**reward_opts, "max_concurrency": run.reward_concurrency}
         self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
-        self.reward_coalesce = bool(ray.get(self.reward_actors[0].submittable.remote()))
+        self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:
             self.sync_weights()  # the rollout worker starts from the actor's exact weights

@@ -123,6 +123,15 @@ class RewardSet:
         """Every reward scores on its own threads or event loop (``submit``, see ``ascore``)."""
         return all(callable(getattr(r.fn, "submit", None)) for r in self.rewards)
 
+    @property
+    def batch_capacity(self) -> int:
+        """How many samples one call should carry so that none waits inside the rewards: 0 unless every reward
+        has ``submit``; then the smallest ``capacity`` they declare (the samples a reward judges at once, e.g. the
+        VLM judge's requests in flight), 1 for one that declares none."""
+        if not self.submittable:
+            return 0
+        return max(1, min(int(getattr(r.fn, "capacity", 1)) for r in self.rewards))
+
     async def ascore(self, samples: list[Sample]) -> None:
         """``score`` for an event loop (a Ray async reward actor): a reward with ``submit(outputs, prompts[,
         inputs=])``, which starts the scoring on the reward's own threads or loop and returns a

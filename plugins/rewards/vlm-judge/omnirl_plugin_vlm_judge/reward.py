@@ -149,6 +149,11 @@ class VLMJudge:
         loop.close()
 
     # -- scoring -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Images judged at once (``concurrency``): a Ray reward actor's calls carry up to this many."""
+        return self.options.concurrency
+
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
         return self.submit(outputs, prompts).result()
 
