@@ -20,27 +20,12 @@ import torch
 from omnirl_core.ar.sampling import SamplingParams, TokenPrompt, pad_sequences, sampling_logprobs
 from omnirl_core.config import LoraConfig
 from omnirl_core.interfaces import GenRequest
+from omnirl_core.lora import adapters_disabled
 from omnirl_core.runtime.weight_sync import cpu_copy
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS_DIR = "model"
-
-
-@contextmanager
-def adapters_disabled(module: torch.nn.Module) -> Iterator[None]:
-    """Within it, every peft adapter injected into ``module`` (``inject_adapter_in_model``: no ``PeftModel``
-    wrapper to switch them) is off: ``module`` is its base model."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
 
 
 class CausalLMPolicy:

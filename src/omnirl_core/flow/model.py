@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig
+from omnirl_core.lora import adapters_disabled, lora_layers
 from omnirl_core.runtime.weight_sync import cpu_copy
 
 
@@ -69,15 +70,19 @@ class DenoiserModel:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.denoiser.parameters() if p.requires_grad]
 
+    def _adapter_layers(self, module: torch.nn.Module) -> list[Any]:
+        """``module``'s adapter layers, found once per module (adapters are injected once, at setup)."""
+        cache = self.__dict__.setdefault("_adapter_layer_cache", {})
+        if id(module) not in cache:
+            cache[id(module)] = (module, lora_layers(module))  # the module kept: its id is never reused
+        return cache[id(module)][1]
+
     @contextmanager
     def reference(self) -> Iterator[None]:
         """The frozen reference policy: the base model (LoRA disabled, or a copy made before training)."""
         if self.lora is not None:
-            self.denoiser.disable_adapters()
-            try:
+            with adapters_disabled(self.denoiser, self._adapter_layers(self.denoiser)):
                 yield
-            finally:
-                self.denoiser.enable_adapters()
         elif self._reference_copy is not None:
             trained, self.denoiser = self.denoiser, self._reference_copy
             try:

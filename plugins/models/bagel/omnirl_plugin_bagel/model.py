@@ -24,11 +24,11 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omnirl_core.ar.model import adapters_disabled
 from omnirl_core.config import LoraConfig, ModelSection
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import DTYPES, DenoiserModel, cfg_grad_both
 from omnirl_core.interfaces import Conditioning
+from omnirl_core.lora import adapters_disabled
 from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_bagel.checkpoint import load_autoencoder, load_tokenizer, load_transformer, save_checkpoint
 from omnirl_plugin_bagel.transformer import BagelTransformer

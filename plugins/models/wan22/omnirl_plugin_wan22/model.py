@@ -13,6 +13,7 @@ average over every element). Two layouts:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from omnirl_core.flow.model import (
     load_diffusers_pipeline,
 )
 from omnirl_core.interfaces import Conditioning
+from omnirl_core.lora import adapters_disabled
 from omnirl_core.runtime.weight_sync import cpu_copy
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
@@ -155,13 +157,11 @@ class Wan22Model(DenoiserModel):
     @contextmanager
     def reference(self) -> Iterator[None]:
         if self.lora is not None:
-            for name in self.trained:
-                self.experts[name].disable_adapters()
-            try:
-                yield
-            finally:
+            with contextlib.ExitStack() as stack:
                 for name in self.trained:
-                    self.experts[name].enable_adapters()
+                    expert = self.experts[name]
+                    stack.enter_context(adapters_disabled(expert, self._adapter_layers(expert)))
+                yield
         elif self._reference_copies:
             trained = dict(self.experts)
             self.experts.update(self._reference_copies)
