@@ -169,19 +169,25 @@ def test_samples_that_finish_together_go_in_one_call_to_a_reward_that_judges_a_b
 
     @ray.remote(num_cpus=0, max_concurrency=2)
     class Scorer:
+        def __init__(self, seconds: float):
+            self.seconds = seconds
+
         async def score(self, *views):
             import asyncio
 
-            await asyncio.sleep(1.0)  # still judging the first wave when "d" comes
+            await asyncio.sleep(self.seconds)
             return list(views)
 
-    dispatch = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False, coalesce=4)
+    # still judging the first wave when "d" comes, and after: one call per actor at once would hold "d" back until
+    # the first call ends, but a reward with submit has no slots
+    dispatch = _RewardDispatch([Scorer.remote(4.0)], concurrency=1, batching=False, coalesce=4)
     views, _ = consume_stream(rollout.options(num_returns="streaming").remote(), dispatch, hold=True, score=True)
     dispatch.drain()
     assert ray.get(views) == ["a", "b", "c", "d"]
+    assert len(dispatch.calls) == 2 and ray.wait(dispatch.calls, num_returns=2, timeout=0)[0] == []  # both running
     assert ray.get(dispatch.calls) == [["a", "b", "c"], ["d"]]
     # without coalescing, the same stream: a call per sample while slots are free
-    plain = _RewardDispatch([Scorer.remote()], concurrency=2, batching=False)
+    plain = _RewardDispatch([Scorer.remote(1.0)], concurrency=2, batching=False)
     consume_stream(rollout.options(num_returns="streaming").remote(), plain, hold=True, score=True)
     plain.drain()
     assert [len(c) for c in ray.get(plain.calls)] == [1, 1, 1, 1]
@@ -214,7 +220,7 @@ def test_a_remote_judge_on_ray_scores_each_wave_in_one_call_of_an_async_actor(ra
         "rollout": {"prompts_per_step": 2, "group_size": 4, "num_steps": 3, "height": 32, "width": 32,
                     "options": {"max_num_seqs": 4, "decode_batch": 4}},
         "run": {"seed": 11, "steps": 1, "output_dir": str(tmp_path), "device": "cpu", "executor": "ray",
-                "placement": "colocated", "reward_mode": "async", "reward_workers": 1, "reward_concurrency": 2},
+                "placement": "colocated", "reward_mode": "async", "reward_workers": 1},
     }])
     controller = Controller(resolved, tmp_path)
     controller.run_dir.prepare(resolved.dump(), [])

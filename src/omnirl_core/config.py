@@ -215,9 +215,9 @@ class RunSection(Section):
         "forward; which samples share a call then depends on timing.",
     )
     reward_concurrency: int = Field(
-        1, ge=1, description="Calls each reward worker serves at once (inline: threads; Ray: calls on the actor's "
-        "event loop): raise it for rewards that wait on I/O, such as a remote judge, rather than adding reward "
-        "processes.",
+        1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
+        "on I/O rather than adding reward processes. On Ray, rewards that judge on their own loop (submit, e.g. "
+        "vlm-judge) are not bound by it: their own requests in flight are.",
     )
     threads: Annotated[Annotated[int, Field(ge=1)] | Literal["adaptive", "fixed"],
                        BeforeValidator(lambda v: "adaptive" if v is None else v)] = Field(

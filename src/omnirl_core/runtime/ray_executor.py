@@ -35,6 +35,7 @@ latents of every denoising step, which for a video model are tens of MB a sample
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -188,7 +189,11 @@ class _RewardDispatch:
     """Reward calls of one rollout over the reward actors' call slots (actors x ``reward_concurrency``), in the
     order of the samples. Async: a sample goes at once to a free slot; while every slot is busy, samples wait, and
     a slot that frees takes the next one, or with ``batching`` (``run.reward_batching``) its fair share of them
-    (the waiting count over the slots) in one call: fewer, larger calls when the rewards lag behind."""
+    (the waiting count over the slots) in one call: fewer, larger calls when the rewards lag behind.
+
+    Rewards that judge a batch on their own loop (``coalesce``: every reward has ``submit``) have no slots: a
+    call costs the actor no thread, and the reward's own capacity (the judge's requests in flight) is the bound,
+    one sample at a time, so each wave goes at once in a call of up to ``coalesce`` samples."""
 
     def __init__(self, actors: list[Any], concurrency: int, batching: bool = True, coalesce: int = 0):
         self.actors, self.concurrency, self.batching = actors, concurrency, batching
@@ -196,7 +201,7 @@ class _RewardDispatch:
         """Above 0, the rewards judge a batch concurrently (``RewardActor.batch_capacity``): a free slot takes up to
         this many waiting samples in one call, and the samples that finish together wait for each other
         (``COALESCE_S``)."""
-        self.slots = len(actors) * concurrency
+        self.slots = math.inf if coalesce else len(actors) * concurrency
         self.calls: list[Any] = []
         self.pending: list[Any] = []
         self._busy: dict[Any, int] = {}  # in-flight call -> its actor's index
@@ -220,7 +225,7 @@ class _RewardDispatch:
 
     def _send_shares(self) -> None:
         while self.pending and len(self._busy) < self.slots:
-            share = max(1, -(-len(self.pending) // self.slots)) if self.batching else 1
+            share = max(1, -(-len(self.pending) // self.slots)) if self.batching and not self.coalesce else 1
             if self.coalesce:
                 share = max(share, min(len(self.pending), self.coalesce))
             self.send(self.pending[:share])
@@ -258,6 +263,10 @@ class _RewardDispatch:
             self._free(timeout=None)
             self._send_shares()
 
+
+ASYNC_ACTOR_CALLS = 1000
+"""Calls a reward actor accepts at once (Ray's own default for an async actor); ``_RewardDispatch`` decides how
+many it gets."""
 
 COALESCE_S = 0.01
 """How long the driver waits for the next sample of a wave before it sends a coalesced reward call: the samples
@@ -466,7 +475,9 @@ class RayExecutor:
             self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1,
                                                 group="reference")
         reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
-        actor_opts = {**reward_opts, "max_concurrency": run.reward_concurrency}
+        # an async actor: the driver keeps a reward without submit to reward_concurrency calls at once (its threads);
+        # a reward with submit takes every call, bounded by its own capacity
+        actor_opts = {**reward_opts, "max_concurrency": max(run.reward_concurrency, ASYNC_ACTOR_CALLS)}
         self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
         self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
@@ -534,8 +545,8 @@ class RayExecutor:
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
         views, refs = consume_stream(stream, dispatch, hold, mode == "async")
         rollout_end = time.perf_counter()
-        if mode == "sync":  # one chunk per call slot: actors x the calls each serves at once
-            size = -(-len(views) // dispatch.slots) if views else 1
+        if mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
+            size = -(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots)) if views else 1
             for i in range(0, len(views), size):
                 dispatch.send(views[i:i + size])
         else:

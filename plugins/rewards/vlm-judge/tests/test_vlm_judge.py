@@ -208,7 +208,7 @@ def test_submit_returns_at_once_and_overlapping_batches_share_the_concurrency(fa
     """What the Ray reward actor awaits: two batches submitted back to back are judged together, within the
     judge's one bound on requests in flight; a batch's error comes with its future."""
     judge_server = fake_judge()
-    judge_server.mode, judge_server.latency_s = "slow", 0.5
+    judge_server.mode, judge_server.latency_s = "slow", 1.5  # the second batch starts well within it, under load
     judge = VLMJudge(VLMJudgeOptions(url=judge_server.url, concurrency=3))
     try:
         first = judge.submit([DARK] * 2, ["a", "b"])
