@@ -21,7 +21,9 @@ Rollout streams: the rollout worker's ``generate`` is a Ray streaming generator;
 becomes two objects in Ray's store, its reward view (output, prompt, inputs: what rewards read) and the
 sample. In async mode the controller hands each view to a reward actor the moment it appears (it goes
 from store to reward actor, not through the controller), so rewards overlap the rest of the rollout; in
-sync mode the views are scored after the rollout. The update waits for all of it.
+sync mode the views are scored after the rollout. The update waits for all of it. Reward actors are async
+actors: a reward that judges on its own loop (``submit``, e.g. a remote VLM judge) gets the samples that finish
+together in one call, and its calls overlap; any other reward scores on a thread of the actor.
 
 Trajectories stay where they were made when they can: with ``placement: colocated``, no separate reference
 worker and an algorithm whose controller side reads no trajectory (``Algorithm.controller_reads_trajectory``,
@@ -177,9 +179,10 @@ class RewardActor:
         return self.rewards.batch_capacity
 
     async def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
-        """An async actor: up to ``run.reward_concurrency`` calls at once on its event loop. A reward with
-        ``submit`` is awaited there (calls overlap without a thread each); any other runs on a thread of the
-        loop's executor, so that a CPU-bound reward scores as in a threaded actor."""
+        """An async actor: its calls run on its event loop, as many at once as ``_RewardDispatch`` sends
+        (``run.reward_concurrency``, or for rewards with ``submit`` every wave). A reward with ``submit`` is awaited
+        there (calls overlap without a thread each); any other runs on a thread of the loop's executor, so that a
+        CPU-bound reward scores as in a threaded actor."""
         start = time.perf_counter()
         await self.rewards.ascore(list(samples))
         return [(s.rewards, s.reward) for s in samples], time.perf_counter() - start
