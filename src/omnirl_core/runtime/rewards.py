@@ -94,13 +94,16 @@ class RewardSet:
         self.time_s = 0.0
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _arguments(reward: RewardFn, samples: list[Sample]) -> tuple[list[Any], list[str], dict[str, Any]]:
+        """What a reward is called with: outputs, prompts, and each prompt's record for one that compares
+        against it (``uses_inputs``)."""
+        kwargs = {"inputs": [s.request.inputs for s in samples]} if getattr(reward.fn, "uses_inputs", False) else {}
+        return [s.output for s in samples], [s.prompt for s in samples], kwargs
+
     def _call(self, reward: RewardFn, samples: list[Sample]) -> list[float]:
-        outputs = [s.output for s in samples]
-        prompts = [s.prompt for s in samples]
-        if getattr(reward.fn, "uses_inputs", False):  # compares against each prompt's record
-            inputs = [s.request.inputs for s in samples]
-            return call_with_deadline(lambda: reward.fn(outputs, prompts, inputs=inputs), self.timeout_s, reward.name)
-        return call_with_deadline(lambda: reward.fn(outputs, prompts), self.timeout_s, reward.name)
+        outputs, prompts, kwargs = self._arguments(reward, samples)
+        return call_with_deadline(lambda: reward.fn(outputs, prompts, **kwargs), self.timeout_s, reward.name)
 
     def score(self, samples: list[Sample]) -> None:
         """Fill ``sample.rewards`` and ``sample.reward`` in place. An optional reward that fails leaves its
@@ -146,10 +149,8 @@ class RewardSet:
             submit = getattr(reward.fn, "submit", None)
             try:
                 if callable(submit):
-                    kwargs = {"inputs": [s.request.inputs for s in samples]} \
-                        if getattr(reward.fn, "uses_inputs", False) else {}
-                    future = asyncio.wrap_future(submit([s.output for s in samples], [s.prompt for s in samples],
-                                                        **kwargs))
+                    outputs, prompts, kwargs = self._arguments(reward, samples)
+                    future = asyncio.wrap_future(submit(outputs, prompts, **kwargs))
                     try:
                         values = await asyncio.wait_for(future, self.timeout_s)
                     except asyncio.TimeoutError:
