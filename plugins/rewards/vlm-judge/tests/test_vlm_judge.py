@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from omnirl_plugin_vlm_judge.options import TEMPLATES, VLMJudgeOptions
 from omnirl_plugin_vlm_judge.parse import ReplyError, parse_score
-from omnirl_plugin_vlm_judge.reward import VLMJudge, chat_completions_url
+from omnirl_plugin_vlm_judge.reward import VLMJudge, chat_completions_url, proxy_for
 from omnirl_plugin_vlm_judge.server import make_server
 from PIL import Image
 from pydantic import ValidationError
@@ -25,9 +25,9 @@ from omnirl_core.errors import ConfigError
 DARK, BRIGHT = np.zeros((3, 8, 8), np.float32), np.ones((3, 8, 8), np.float32)
 
 
-def test_importing_the_plugin_loads_neither_torch_nor_httpx():
+def test_importing_the_plugin_loads_neither_torch_nor_an_http_client():
     code = ("import sys, omnirl_plugin_vlm_judge; "
-            "print(sorted(m for m in ('torch', 'httpx', 'numpy', 'PIL') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'aiohttp', 'httpx', 'numpy', 'PIL') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -127,6 +127,23 @@ def test_endpoint():
     assert chat_completions_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
     assert chat_completions_url("http://h:8000/v1/") == "http://h:8000/v1/chat/completions"
     assert chat_completions_url("https://h/x/chat/completions") == "https://h/x/chat/completions"
+
+
+@pytest.mark.parametrize("variable", ["http_proxy", "HTTP_PROXY", "all_proxy"])
+def test_requests_go_through_the_proxy_the_environment_sets(fake_judge, monkeypatch, variable):
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy",
+                 "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    proxy = fake_judge()  # answers a request in the proxy form too (the target's whole URL as the path)
+    monkeypatch.setenv(variable, proxy.url.split("/v1")[0])
+    judge = VLMJudge(VLMJudgeOptions(url="http://judge.invalid:8000/v1", retries=0))  # no such host: only the proxy
+    try:
+        assert judge([np.full((3, 8, 8), 0.5, np.float32)], ["a prompt"]) == [pytest.approx(0.7)]
+    finally:
+        judge.close()
+    assert [r["path"] for r in proxy.requests] == ["http://judge.invalid:8000/v1/chat/completions"]
+    monkeypatch.setenv("no_proxy", "judge.invalid")
+    assert proxy_for("http://judge.invalid:8000/v1") is None
 
 
 # -- the request -----------------------------------------------------------------------------------
