@@ -139,3 +139,32 @@ def test_ctrl_c_stops_a_run_whose_reward_hangs(tmp_path):
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "latest checkpoint step-000001" in stderr
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
+
+
+def test_deadline_threads_are_reused_and_a_hung_call_keeps_its_own():
+    """Reward calls run on reused daemon threads: consecutive calls share one; a call past its deadline keeps its
+    thread (the next call gets another) until it returns; an idle thread ends."""
+    import threading
+
+    from omnirl_core.runtime.rewards import DeadlineThreads, RewardTimeout, call_with_deadline
+
+    pool = DeadlineThreads(idle_s=0.5)
+    first = pool.submit(threading.get_ident).result(timeout=10)
+    assert pool.submit(threading.get_ident).result(timeout=10) == first
+    release = threading.Event()
+    hung = pool.submit(lambda: (release.wait(30), threading.get_ident())[1])
+    other = pool.submit(threading.get_ident).result(timeout=10)
+    assert other != first  # the hung call's thread is busy
+    release.set()
+    assert hung.result(timeout=10) == first
+    assert pool.submit(threading.get_ident).result(timeout=10) in (first, other)  # back among the idle ones
+    deadline = time.monotonic() + 10
+    while any(t.ident in (first, other) for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.ident in (first, other) for t in threading.enumerate()), "idle threads did not end"
+    assert pool.submit(lambda: 7).result(timeout=10) == 7  # a new thread after the idle ones ended
+
+    with pytest.raises(RewardTimeout, match="no answer within 0.2 s"):
+        call_with_deadline(lambda: release.clear() or release.wait(2), 0.2)
+    with pytest.raises(ValueError, match="boom"):
+        call_with_deadline(lambda: (_ for _ in ()).throw(ValueError("boom")), 5)
