@@ -110,7 +110,8 @@ class _Clock:
 
 def _governor(ceiling: int = 4):
     clock, applied = _Clock(), []
-    gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append)
+    gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append, probe=lambda: gov.taken)
+    gov.taken = False  # scripted: whether other processes fill every core at the next observation
     return gov, clock, applied
 
 
@@ -156,6 +157,75 @@ def test_governor_adds_short_phases_to_the_next():
     assert gov.observe() == 2 and gov.wait_share == 0.0
     clock.phase(0.09, 0.09)
     assert gov.observe() == 1 and abs(gov.wait_share - 0.5) < 1e-9
+
+
+def test_governor_gives_up_a_thread_at_once_when_other_processes_fill_every_core():
+    """A load that began between two steps: the last step's wait says nothing yet, the machine does."""
+    gov, clock, applied = _governor(2)
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 2 and not gov.cpus_taken
+    gov.taken = True
+    clock.phase(1.0, 0.0)  # a quiet last step, but the cores are taken now
+    assert gov.observe() == 1 and gov.cpus_taken
+    clock.phase(1.0, 0.0)  # quiet on one thread (the other core is ours alone): no thread back while taken
+    assert gov.observe() == 1
+    gov.taken = False
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 2  # the load has gone
+    assert applied == [2, 1, 1, 2]
+    gov.taken = True
+    clock.phase(0.01, 0.0)  # too short a step to judge the wait: the machine still counts
+    assert gov.observe() == 1
+
+
+def test_governor_says_why_when_the_machine_made_it_give_up_a_thread(caplog):
+    gov, clock, _ = _governor(2)
+    gov.taken = True
+    with caplog.at_level("WARNING", logger="omnirl"):
+        clock.phase(1.0, 0.0)
+        gov.observe()
+    said = [r.getMessage() for r in caplog.records if r.name == "omnirl"]
+    assert len(said) == 1 and "other processes' tasks fill every CPU of the machine" in said[0]
+    assert "1 thread(s) instead of 2" in said[0] and "--set run.threads=2" in said[0]
+
+
+def test_cpus_taken_counts_other_processes_runnable_tasks(tmp_path):
+    """From /proc/loadavg's runnable count less this process's running threads (files written here)."""
+    tasks = tmp_path / "task"
+    for tid, state in (("10", "R"), ("11", "S"), ("12", "R")):  # two of ours running
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "stat").write_text(f"{tid} (py thread (x)) {state} 1 2 3")
+    loadavg = tmp_path / "loadavg"
+
+    def taken(running: int, cpus: int = 2):
+        loadavg.write_text(f"1.00 0.50 0.20 {running}/80 1234\n")
+        return threads.cpus_taken(cpus, gap_s=0.0, loadavg=loadavg, task_dir=tasks)
+
+    if threads.available_cpus() != (os.cpu_count() or 1):  # a part of the machine: not judged from machine-wide counts
+        assert taken(9) is None
+        return
+    assert taken(1) is False and taken(2) is False  # the reader alone; one other task
+    assert taken(3) is False  # 3 runnable, 2 of them ours: one other
+    assert taken(4) is True  # two others fill both cores
+    assert taken(5, cpus=4) is False
+    loadavg.write_text("garbage")
+    assert threads.cpus_taken(2, loadavg=loadavg, task_dir=tasks) is None
+
+
+def test_cpus_taken_sees_a_real_competing_load():
+    cpus = threads.available_cpus()
+    if threads.cpus_taken(cpus) is None:
+        return  # this process sees a part of the machine only
+    busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(cpus)]
+    try:
+        deadline = time.monotonic() + 20.0
+        while not threads.cpus_taken(cpus) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threads.cpus_taken(cpus), f"{cpus} busy processes not seen"
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 def test_own_schedstat_reads_this_process_threads():

@@ -15,7 +15,8 @@ in the environment always wins.
 By default (``run.threads: adaptive``) the pool also follows the load: at each step boundary (before the
 rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` reads how long this process's
 threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
-while they wait much of the time, taking it back once they stop waiting. Other processes' load is seen through its
+while they wait much of the time, taking it back once they stop waiting; and where this process sees the whole
+machine, it gives one up at once when other processes' runnable tasks fill every core right then. Other processes' load is seen through its
 effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
 the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
 2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,40 @@ def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[i
     return out
 
 
+def cpus_taken(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001, loadavg: Path = Path("/proc/loadavg"),
+               task_dir: Path = Path("/proc/self/task")) -> bool | None:
+    """Whether other processes' tasks alone, running or waiting for a CPU right now, fill ``cpus`` CPUs (default:
+    every core of the machine): the kernel's count of runnable tasks (``/proc/loadavg``) less this process's own, in each of ``reads`` reads
+    ``gap_s`` apart (a burst of some daemon passes; a quiet machine answers at the first read). Machine-wide, so
+    None where this process does not see the whole machine (an affinity mask or a cgroup quota: the others may
+    run on CPUs it does not use), or where it cannot be read."""
+    if available_cpus() != (os.cpu_count() or 1):
+        return None
+    cpus = cpus or available_cpus()
+    for i in range(reads):
+        if i:
+            time.sleep(gap_s)
+        try:
+            running = int(loadavg.read_text().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        if running - 1 < cpus:  # the reading thread is one of them
+            return False
+        mine = 0
+        try:
+            for tid in os.listdir(task_dir):
+                try:
+                    stat = (task_dir / tid / "stat").read_text()
+                except OSError:
+                    continue  # the thread ended meanwhile
+                mine += stat[stat.rindex(")") + 2:].startswith("R")
+        except OSError:
+            return None
+        if running - max(mine, 1) < cpus:
+            return False
+    return True
+
+
 class ThreadGovernor:
     """``run.threads: adaptive``: between steps, the torch intra-op pool sized to the cores this process gets.
 
@@ -100,57 +136,74 @@ class ThreadGovernor:
     ``raise_below`` for ``patience`` steps in a row it takes one back (never above ``ceiling``). A thread taken
     back that makes the wait jump again at once doubles the patience (up to 32 steps), so a load that leaves
     room for some but not all threads does not flip the count every step. Steps with less than
-    ``min_cpu_s`` of CPU time are added to the next one. The first time it gives up a thread it says so (once
-    per process), with the fixed count that keeps a run reproducible bit for bit."""
+    ``min_cpu_s`` of CPU time are added to the next one. It also looks at the machine right now (``probe``,
+    ``cpus_taken``): when other processes' runnable tasks alone fill every core of the machine (not just the
+    ``ceiling``: other ranks of the run may compute on the rest), it gives up a thread at once
+    and takes none back, so a load that began between two steps is answered at the first step it loads, not one
+    step later. The first time it gives up a thread it says so (once per process), with the fixed count that
+    keeps a run reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
-                 sample: Any = own_schedstat, apply: Any = None):
+                 sample: Any = own_schedstat, apply: Any = None, probe: Any = cpus_taken):
         self.ceiling = self.threads = max(1, ceiling)
         self.drop_above, self.raise_below, self.min_ns = drop_above, raise_below, int(min_cpu_s * 1e9)
         self.sample = sample
         self.apply = apply if apply is not None else _set_torch_threads
+        self.probe = probe
         self.patience, self._quiet, self._just_raised = 1, 0, False
         self._told = False
         self.wait_share = 0.0
         """The last observed share of runnable time spent waiting."""
+        self.cpus_taken = False
+        """At the last observation, other processes' runnable tasks filled every core (``probe``)."""
         self._last = sample()
 
     def observe(self) -> int:
+        self.cpus_taken = self.ceiling > 1 and bool(self.probe())
         now = self.sample()
         run = wait = 0
         for tid, (r, w) in now.items():
             r0, w0 = self._last.get(tid, (0, 0))
             run, wait = run + max(0, r - r0), wait + max(0, w - w0)
-        if run < self.min_ns:
-            return self.threads  # too little to judge: keep counting from the same start
+        if run < self.min_ns:  # too little to judge the wait: keep counting from the same start
+            if self.cpus_taken and self.threads > 1:
+                self._drop(by_probe=True)
+                self._just_raised = False
+                self.apply(self.threads)
+            return self.threads
         self._last = now
         self.wait_share = share = wait / (run + wait)
         raised = False
-        if share > self.drop_above and self.threads > 1:
-            if self._just_raised:
-                self.patience = min(2 * self.patience, 32)
-            self.threads -= 1
-            self._quiet = 0
-            if not self._told:
-                self._told = True
-                log.warning("the CPUs are shared: this process's threads waited for a CPU %.0f%% of the time they "
-                            "were runnable, so torch now computes on %d thread(s) instead of %d (run.threads: "
-                            "adaptive, the default; the count follows the load, and the numbers with it in the "
-                            "last bits). For a run reproducible bit for bit, fix it: --set run.threads=%d",
-                            100 * share, self.threads, self.ceiling, self.ceiling)
-        elif share < self.raise_below and self.threads < self.ceiling:
+        if (share > self.drop_above or self.cpus_taken) and self.threads > 1:
+            self._drop(by_probe=share <= self.drop_above)
+        elif share < self.raise_below and self.threads < self.ceiling and not self.cpus_taken:
             self._quiet += 1
             if self._quiet >= self.patience:
                 self.threads += 1
                 self._quiet = 0
                 raised = True
-        elif share >= self.raise_below:
+        elif share >= self.raise_below or self.cpus_taken:
             self._quiet = 0
         if self.threads == self.ceiling and share < self.raise_below and not raised:
             self.patience = 1  # back at full size and quiet: the load has gone
         self._just_raised = raised
         self.apply(self.threads)
         return self.threads
+
+    def _drop(self, by_probe: bool) -> None:
+        if self._just_raised:
+            self.patience = min(2 * self.patience, 32)
+        self.threads -= 1
+        self._quiet = 0
+        if not self._told:
+            self._told = True
+            why = ("other processes' tasks fill every CPU of the machine" if by_probe else
+                   f"this process's threads waited for a CPU {100 * self.wait_share:.0f}% of the time they were "
+                   "runnable")
+            log.warning("the CPUs are shared: %s, so torch now computes on %d thread(s) instead of %d (run.threads: "
+                        "adaptive, the default; the count follows the load, and the numbers with it in the last "
+                        "bits). For a run reproducible bit for bit, fix it: --set run.threads=%d",
+                        why, self.threads, self.ceiling, self.ceiling)
 
 
 def _set_torch_threads(n: int) -> None:

@@ -97,7 +97,8 @@ class Worker:
         rollout's log-probs with the same arithmetic) and the wait share that set it."""
         if self.governor is None:
             return {}
-        return {"threads/torch": float(self.governor.threads), "threads/wait_share": self.governor.wait_share}
+        return {"threads/torch": float(self.governor.threads), "threads/wait_share": self.governor.wait_share,
+                "threads/cpus_taken": float(self.governor.cpus_taken)}
 
     def setup(self) -> None:
         import torch
