@@ -138,6 +138,10 @@ def main() -> None:
                         help="run.rollout_threads for scenario (c): the cores the rollout leaves to the server "
                         "on the same machine")
     parser.add_argument("--learned-nice", type=int, default=0, help="start the reward server at this nice level")
+    parser.add_argument("--learned-served", action="store_true",
+                        help="with --executor ray: serve the learned reward (`omnirl reward serve`) and reach it "
+                        "through the remote reward from the reward actors, as inline does, instead of running it "
+                        "in the actors")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config setting for every scenario (repeatable), e.g. run.ray_worker_niceness=null")
     parser.add_argument("--batching", action="store_true", help="run.reward_batching: a freed reward worker scores "
@@ -247,7 +251,7 @@ def run_learned(args, tmp: Path, result: dict) -> None:
     if args.learned_clip:
         directory = random_clip(tmp / "clip", args.learned_clip)
         options = [f"path={directory}", f"processor_path={directory}", "device=cpu"]
-    if args.executor == "ray":  # the reward itself in each reward actor: a process of its own, no server
+    if args.executor == "ray" and not args.learned_served:  # the reward itself in each reward actor, no server
         reward = {"name": args.learned, "options": dict(o.split("=", 1) for o in options)}
         run_learned_with(args, tmp, result, reward, options,
                          f"{args.learned} ({', '.join(options)}) in {args.learned_workers} Ray reward actor(s) "

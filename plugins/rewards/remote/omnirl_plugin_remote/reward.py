@@ -4,13 +4,20 @@ Wire format: ``omnirl_core.rewards_kit.wire`` (JSON; images as 8-bit PNG rounded
 rounds them, so a served image reward gives the same scores as in process). A connection that fails before
 an answer is retried (``retries``); a server that stays away fails the call with an error that says how to
 restart it, and the run, stopped with its last checkpoint, resumes when rerun.
+
+``submit`` starts a call on the reward's own threads (up to ``concurrency`` requests in flight) and returns its
+future: a Ray async reward actor awaits it, so its calls overlap without a thread of the actor's each, and the
+driver sends the samples that finish together in one call of up to ``capacity`` (``batch_size``) samples, one
+request, which the server batches with the others it has.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +43,9 @@ class RemoteOptions(BaseModel):
                          "(server restarting, connection reset).")
     retry_wait_s: float = Field(1.0, ge=0, description="Wait before the first retry (doubled for each next one).")
     batch_size: int = Field(64, ge=1, description="Most samples per request (the server batches requests too).")
+    concurrency: int = Field(4, ge=1, description="Requests in flight from one reward instance when it is "
+                             "submitted to (a Ray async reward actor's overlapping calls); the server batches "
+                             "those that arrive together.")
 
     @field_validator("url")
     @classmethod
@@ -61,6 +71,8 @@ class RemoteReward:
 
         self.options = o = options or RemoteOptions()
         self.url = o.url.rstrip("/")
+        self._lock = threading.Lock()
+        self._pool: Any = None  # submit's threads (a RewardPool), started on first use
         token = os.environ.get(TOKEN_ENV)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(headers=headers, follow_redirects=False,
@@ -129,5 +141,25 @@ class RemoteReward:
             scores += answer["scores"]
         return scores
 
+    @property
+    def capacity(self) -> int:
+        """Samples one call should carry: one request's worth (``batch_size``)."""
+        return self.options.batch_size
+
+    def submit(self, outputs: Sequence[Any], prompts: Sequence[str],
+               inputs: Sequence[Any] | None = None) -> concurrent.futures.Future:
+        """Starts the call on this reward's own threads (``concurrency`` at most: further calls queue) and returns
+        its future at once."""
+        with self._lock:
+            if self._pool is None:  # daemon threads: a request still in flight never holds up the exit
+                from omnirl_core.runtime.rewards import RewardPool
+
+                self._pool = RewardPool(self.options.concurrency, name="omnirl-remote-reward")
+            return self._pool.submit(self, list(outputs), list(prompts), None if inputs is None else list(inputs))
+
     def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(timeout_s=0.0)
         self.client.close()

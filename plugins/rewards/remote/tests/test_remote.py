@@ -113,6 +113,48 @@ def test_concurrent_requests_are_batched_and_records_reach_the_reward(serve):
     assert info["requests"] == 12 and info["batches"] == len(reward.sizes) and info["largest_batch"] > 1
 
 
+def test_submit_returns_at_once_and_overlapping_calls_are_batched_by_the_server(serve):
+    """What a Ray async reward actor awaits: each call's future, the same scores as a plain call; calls in flight
+    together (up to ``concurrency``) reach the server together and share its batches; a failing call fails only
+    its own future."""
+    import asyncio
+
+    from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+    from omnirl_core.runtime.rewards import RewardFn, RewardSet
+
+    reward = Recording(delay_s=0.3)
+    server = serve(reward, max_batch=64, max_wait_ms=100)
+    remote = RemoteReward(RemoteOptions(url=server.url, concurrency=4, batch_size=16))
+    try:
+        assert remote.capacity == 16
+        images = _images(6)
+        start = time.perf_counter()
+        futures = [remote.submit(images[2 * i:2 * i + 2], [f"p{2 * i}", f"p{2 * i + 1}"],
+                                 inputs=[{"bonus": 2 * i}, {"bonus": 2 * i + 1}]) for i in range(3)]
+        assert time.perf_counter() - start < 0.25  # returned before the first batch's 0.3 s were over
+        got = [f.result(timeout=30) for f in futures]
+        want = [remote(images[2 * i:2 * i + 2], [f"p{2 * i}", f"p{2 * i + 1}"],
+                       inputs=[{"bonus": 2 * i}, {"bonus": 2 * i + 1}]) for i in range(3)]
+        assert got == want
+        assert max(reward.sizes[:-3]) > 2, reward.sizes  # the three submitted calls shared server batches
+        failing = remote.submit(images[:1], ["fail"], inputs=[{"bonus": 0}])
+        fine = remote.submit(images[:1], ["p"], inputs=[{"bonus": 1}])
+        with pytest.raises(RemoteRewardError, match="asked to fail"):
+            failing.result(timeout=30)
+        assert fine.result(timeout=30) == [1 + images[0].clamp(0, 1).mul(255).round().div(255).mean().item()]
+
+        rewards = RewardSet([RewardFn("remote", remote)], timeout_s=30)  # the actor's path: awaited on a loop
+        assert rewards.submittable and rewards.batch_capacity == 16
+        plan = RolloutPlan(step_kinds=("sde",), train_steps=(0,))
+        samples = [Sample(request=GenRequest(uid=i, prompt=f"p{i}", prompt_index=i, group=0, seed=i, height=16,
+                                             width=12, plan=plan, inputs={"bonus": i}),
+                          latents=None, sigmas=None, logprobs=None, output=images[i]) for i in range(3)]
+        asyncio.run(rewards.ascore(samples))
+        assert [s.reward for s in samples] == [want[0][0], want[0][1], want[1][0]]
+    finally:
+        remote.close()
+
+
 def test_a_failing_request_fails_only_itself(serve):
     reward = Recording(delay_s=0.05)
     server = serve(reward, max_wait_ms=50)
