@@ -16,8 +16,9 @@ By default (``run.threads: adaptive``) the pool also follows the load: at each s
 rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` reads how long this process's
 threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
 while they wait much of the time, taking it back once they stop waiting; and where this process sees the whole
-machine, it gives one up at once when other processes' runnable tasks fill every core right then. Other processes' load is seen through its
-effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
+machine, it gives one up at once when other processes' runnable tasks fill every core right then. Other processes'
+load is seen through its effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy
+host. On a quiet machine
 the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
 2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
 one 1.7-2.1x (``benchmarks/README.md``).
@@ -97,10 +98,10 @@ def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[i
 def cpus_taken(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001, loadavg: Path = Path("/proc/loadavg"),
                task_dir: Path = Path("/proc/self/task")) -> bool | None:
     """Whether other processes' tasks alone, running or waiting for a CPU right now, fill ``cpus`` CPUs (default:
-    every core of the machine): the kernel's count of runnable tasks (``/proc/loadavg``) less this process's own, in each of ``reads`` reads
-    ``gap_s`` apart (a burst of some daemon passes; a quiet machine answers at the first read). Machine-wide, so
-    None where this process does not see the whole machine (an affinity mask or a cgroup quota: the others may
-    run on CPUs it does not use), or where it cannot be read."""
+    every core of the machine): the kernel's count of runnable tasks (``/proc/loadavg``) less this process's own,
+    in each of ``reads`` reads ``gap_s`` apart (a burst of some daemon passes; a quiet machine answers at the first
+    read). Machine-wide, so None where this process does not see the whole machine (an affinity mask or a cgroup
+    quota: the others may run on CPUs it does not use), or where it cannot be read."""
     if available_cpus() != (os.cpu_count() or 1):
         return None
     cpus = cpus or available_cpus()
@@ -138,10 +139,10 @@ class ThreadGovernor:
     room for some but not all threads does not flip the count every step. Steps with less than
     ``min_cpu_s`` of CPU time are added to the next one. It also looks at the machine right now (``probe``,
     ``cpus_taken``): when other processes' runnable tasks alone fill every core of the machine (not just the
-    ``ceiling``: other ranks of the run may compute on the rest), it gives up a thread at once
-    and takes none back, so a load that began between two steps is answered at the first step it loads, not one
-    step later. The first time it gives up a thread it says so (once per process), with the fixed count that
-    keeps a run reproducible bit for bit."""
+    ``ceiling``: other ranks of the run may compute on the rest), it gives up a thread at once and takes none
+    back, so a load that began between two steps is answered at the first step it loads, not one step later. The
+    first time it gives up a thread it says so (once per process), with the fixed count that keeps a run
+    reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
                  sample: Any = own_schedstat, apply: Any = None, probe: Any = cpus_taken):
