@@ -91,6 +91,7 @@ def test_the_colocated_worker_keeps_the_trajectories(ray_cluster, tmp_path: Path
     try:
         controller.setup()
         assert controller.executor.hold
+        assert controller.executor.reward_batching  # colour scores each image on its own: batched as they pile up
         samples, _ = controller.collect(1)
         assert len(samples) == 8
         assert all(s.latents is None and s.logprobs is None and "cond" not in s.extras for s in samples)
@@ -397,3 +398,27 @@ def test_runtime_environment_mistakes_are_clear(tmp_path: Path):
     with pytest.raises(UsageError, match="No environment declared for 'no-such-engine'"):
         group_runtime_env({"environment": "no-such-engine"}, "rollout")
     assert group_runtime_env({"env_vars": {"A": "1"}}, "train") == {"env_vars": {"A": "1"}}
+
+
+def test_rewards_that_score_each_sample_on_its_own_are_batched_without_reward_batching(tmp_path: Path):
+    """Colour declares ``batch_invariant``: inline, its reward threads take what piled up (as with
+    run.reward_batching); a reward that does not declare it, alone or beside colour, keeps a call per sample."""
+    from omnirl_plugin_color.reward import ColorMatch
+
+    from omnirl_core.runtime.rewards import RewardFn, RewardSet
+
+    resolved = _resolved(tmp_path)
+    controller = Controller(resolved, tmp_path)
+    controller.run_dir.prepare(resolved.dump(), [])
+    try:
+        controller.setup()
+        assert resolved.config.run.reward_batching is False and controller.executor.stream.batch_async
+    finally:
+        controller.executor.close()
+
+    def plain(outputs, prompts):
+        return [0.0] * len(outputs)
+
+    assert RewardSet([RewardFn("colour", ColorMatch())]).batch_invariant
+    assert not RewardSet([RewardFn("plain", plain)]).batch_invariant
+    assert not RewardSet([RewardFn("colour", ColorMatch()), RewardFn("plain", plain)]).batch_invariant

@@ -63,7 +63,7 @@ class InlineExecutor:
             self.reference.setup()
         self.rewards = build_rewards(self.resolved)
         self.stream = RewardStream(self.rewards, run.reward_workers * run.reward_concurrency, run.reward_mode,
-                                   batch_async=run.reward_batching)
+                                   batch_async=run.reward_batching or self.rewards.batch_invariant)
 
     def rollout_threads(self) -> int | None:
         """Torch threads for a rollout that CPU-bound rewards overlap on the same cores, or None (leave them).

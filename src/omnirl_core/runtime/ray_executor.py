@@ -178,6 +178,10 @@ class RewardActor:
         remote judge), the driver sends the samples that finish together in one call, up to this many."""
         return self.rewards.batch_capacity
 
+    def batch_invariant(self) -> bool:
+        """``RewardSet.batch_invariant``: the driver batches the samples that pile up (``run.reward_batching``)."""
+        return self.rewards.batch_invariant
+
     async def score(self, *samples: Sample) -> tuple[list[tuple[dict[str, float], float]], float]:
         """An async actor: its calls run on its event loop, as many at once as ``_RewardDispatch`` sends
         (``run.reward_concurrency``, or for rewards with ``submit`` every wave). A reward with ``submit`` is awaited
@@ -390,6 +394,7 @@ class RayExecutor:
         self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
         self.reward_coalesce = 0  # set in setup: samples per coalesced reward call (RewardActor.batch_capacity)
+        self.reward_batching = False  # set in setup: run.reward_batching, or rewards that are batch-invariant
         self.pools: list[Any] = []
         self._started_ray = False
         self.hold = False  # the colocated worker keeps the trajectories (``setup``)
@@ -484,6 +489,7 @@ class RayExecutor:
         self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
         self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
+        self.reward_batching = run.reward_batching or bool(ray.get(self.reward_actors[0].batch_invariant.remote()))
         ray.get([w.setup.remote() for w in self._workers()])
         if not self.colocated:
             self.sync_weights()  # the rollout worker starts from the actor's exact weights
@@ -542,7 +548,7 @@ class RayExecutor:
         mode = self.resolved.config.run.reward_mode
         start = time.perf_counter()
         run = self.resolved.config.run
-        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, run.reward_batching,
+        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, self.reward_batching,
                                    coalesce=self.reward_coalesce)
         hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
         stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)

@@ -77,6 +77,7 @@ def _normalise(text: str, case_sensitive: bool) -> str:
 
 class AnswerMatch:
     uses_inputs = True  # called with each prompt's record (the reference answer)
+    batch_invariant = True  # each text scored on its own: batching what piles up changes no score
 
     def __init__(self, options: AnswerMatchOptions | None = None):
         self.options = options or AnswerMatchOptions()

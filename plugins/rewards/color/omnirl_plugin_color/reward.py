@@ -45,6 +45,8 @@ def named_color(prompt: str) -> tuple[float, float, float]:
 
 
 class ColorMatch:
+    batch_invariant = True  # each image scored on its own: batching what piles up changes no score
+
     def __init__(self, options: ColorOptions | None = None):
         self.options = options or ColorOptions()
 

@@ -32,6 +32,8 @@ def to_uint8(image: Any) -> np.ndarray:
 
 
 class JpegCompressibility:
+    batch_invariant = True  # each image scored on its own: batching what piles up changes no score
+
     def __init__(self, options: JpegOptions | None = None):
         self.options = options or JpegOptions()
 
