@@ -212,7 +212,8 @@ class RunSection(Section):
     reward_batching: bool = Field(
         False, description="async: a reward worker that frees up scores every sample that finished meanwhile (its "
         "fair share) in one call, instead of one call per sample: far cheaper for a learned reward's batched "
-        "forward; which samples share a call then depends on timing.",
+        "forward; which samples share a call then depends on timing. Always on when every reward of the run is "
+        "batch_invariant (scores each sample on its own: color, jpeg, answer-match).",
     )
     reward_concurrency: int = Field(
         1, ge=1, description="Calls each reward worker serves at once (threads): raise it for rewards that wait "
