@@ -164,6 +164,19 @@ def test_deadline_threads_are_reused_and_a_hung_call_keeps_its_own():
     assert not any(t.ident in (first, other) for t in threading.enumerate()), "idle threads did not end"
     assert pool.submit(lambda: 7).result(timeout=10) == 7  # a new thread after the idle ones ended
 
+    if hasattr(os, "fork"):  # a forked child never hands a call to the parent's idle threads (absent there)
+        pool.submit(threading.get_ident).result(timeout=10)  # one idle thread in this process
+        os.register_at_fork(after_in_child=pool._forget)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the call is answered
+            code = 1
+            try:
+                code = 0 if pool.submit(lambda: 7).result(timeout=10) == 7 else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
     with pytest.raises(RewardTimeout, match="no answer within 0.2 s"):
         call_with_deadline(lambda: release.clear() or release.wait(2), 0.2)
     with pytest.raises(ValueError, match="boom"):

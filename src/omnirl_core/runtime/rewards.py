@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import os
 import threading
 import time
 from collections import deque
@@ -88,7 +89,15 @@ class DeadlineThreads:
                 self._idle.append(inbox)
 
 
+    def _forget(self) -> None:
+        """In a forked child: the parent's idle threads do not exist there, so their inboxes must not be used."""
+        self._idle = []
+        self._lock = threading.Lock()
+
+
 _DEADLINE_THREADS = DeadlineThreads()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_DEADLINE_THREADS._forget)
 
 
 def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None) -> Any:
