@@ -8,8 +8,8 @@
 
 Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Every run is a process of its own, as a user's
 would be (the inline runs never import Ray); Ray runs start a local instance with 3 logical CPUs: a colocated
-actor+rollout worker with 2 CPUs and 2 reward actors. Rounds alternate the order (inline first, then Ray
-first), so that the machine's drift hits both alike. Two workloads: the preset's (32 px, 6 steps: a step of
+actor+rollout worker with 2 CPUs and the reward actor (``run.reward_workers``, 1 by default). Rounds alternate
+the order (inline first, then Ray first), so that the machine's drift hits both alike. Two workloads: the preset's (32 px, 6 steps: a step of
 a fraction of a second, where Ray's fixed per-step cost shows most) and a larger one (64 px, 10 steps,
 16 prompts x 4). Per run: the mean step time over the steps after the first, its rollout and train parts,
 the setup time; per workload: the ratio Ray / inline of each round and their median. ``ray-whole`` is the Ray

@@ -5,6 +5,7 @@ LoRA weights synced to the rollout worker, a separate reference worker); and its
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,7 @@ def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing
 
     from omnirl_core.flow.policy_gradient import Transition
     from omnirl_core.interfaces import GenRequest, Sample
-    from omnirl_core.runtime.ray_executor import HELD_KEY, restore_trajectories, reward_view
+    from omnirl_core.runtime.ray_executor import HELD_KEY, restore_trajectories, reward_view, shed_outputs
 
     def sample(uid: int) -> Sample:
         request = GenRequest(uid=uid, prompt=f"p{uid}", prompt_index=uid, group=0, seed=uid, height=8, width=8,
@@ -266,6 +267,18 @@ def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing
     for key, s in enumerate(light):
         assert s.latents is held[key].latents and s.extras == {"cond": key}
         assert (s.reward, s.advantage) == (0.5 + key, -1.0 + key)
+    # the units as the executor sends them: without the outputs, which the worker puts back
+    views = []
+    for key, full in held.items():
+        view = reward_view(full)
+        view.extras[HELD_KEY] = key
+        views.append(view)
+    mine = [Transition(s, j) for s in views for j in (0, 1)]
+    sent = pickle.loads(pickle.dumps(shed_outputs(mine)))  # travels as one object
+    assert all(u.sample.output is not None for u in mine)  # the controller's units are left as they are
+    assert all(u.sample.output is None for u in sent) and sent[0].sample is sent[1].sample
+    assert restore_trajectories(sent, held) == 2
+    assert all(u.sample.output is held[u.sample.extras["cond"]].output for u in sent)
     stray = reward_view(sample(5))
     stray.extras[HELD_KEY] = 5
     with pytest.raises(RuntimeError, match=r"held key 5, prompt 'p5'.*later rollout"):
@@ -319,7 +332,8 @@ def test_pools_larger_than_the_cluster_fail_at_once(ray_cluster, tmp_path: Path)
 
     start = time.perf_counter()
     with pytest.raises(UsageError, match=r"too small.*CPU 2.5 needed, 2 in the cluster"):
-        _metrics(tmp_path, executor="ray", placement="split", reference="separate", worker_cpus=0.5)
+        _metrics(tmp_path, executor="ray", placement="split", reference="separate", worker_cpus=0.5,
+                 reward_workers=2)  # 3 workers x 0.5 + 2 reward actors x 0.5
     assert time.perf_counter() - start < 60  # not the 120 s placement timeout
     assert ray.available_resources().get("CPU") == 2.0  # nothing was left placed
 

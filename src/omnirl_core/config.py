@@ -207,7 +207,9 @@ class RunSection(Section):
         "None: the CPU count torch uses minus the CPUs the rewards declare (per reward worker), at least 1.",
     )
     reward_workers: int = Field(
-        2, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray)."
+        1, ge=1, description="Reward workers: threads (inline) or Ray actors in the reward pool (ray). One serves "
+        "most runs (batched or concurrent calls, reward_concurrency); each Ray actor is a process that takes CPU "
+        "time even when idle, so add more only for rewards that need the CPUs or devices of their own.",
     )
     reward_batching: bool = Field(
         False, description="async: a reward worker that frees up scores every sample that finished meanwhile (its "

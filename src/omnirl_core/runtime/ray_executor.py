@@ -36,6 +36,8 @@ latents of every denoising step, which for a video model are tens of MB a sample
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import math
 import os
@@ -138,9 +140,33 @@ def reward_view(sample: Sample) -> Sample:
 HELD_KEY = "omnirl.held"  # in a held sample's extras: its key in the worker that made it
 
 
+def shed_outputs(units: list[Any]) -> list[Any]:
+    """The units as they go to the worker that holds their samples: each held sample without its decoded output,
+    which the update does not need from the controller (``restore_trajectories`` puts the worker's own back). The
+    outputs are most of what the units would carry (an image a sample; for a video model, frames). The
+    controller's units and samples are left as they are; units that cannot be copied go whole."""
+    bare: dict[int, Sample] = {}
+    out = []
+    for unit in units:
+        sample = getattr(unit, "sample", None)
+        if not isinstance(sample, Sample) or HELD_KEY not in sample.extras or sample.output is None:
+            out.append(unit)
+            continue
+        light = bare.get(id(sample))
+        if light is None:  # units share their sample, and still do
+            light = bare[id(sample)] = dataclasses.replace(sample, output=None)
+        try:
+            copied = copy.copy(unit)
+            copied.sample = light
+        except (AttributeError, TypeError):  # a frozen unit: sent as it is
+            copied = unit
+        out.append(copied)
+    return out
+
+
 def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
-    """Puts the worker's kept trajectories back into the samples of ``units`` that came without them (their
-    ``extras`` hold a ``HELD_KEY``); what the controller set on them (rewards, advantage) stays. Returns how many
+    """Puts the worker's kept trajectories (and outputs, where ``shed_outputs`` left them out) back into the samples
+    of ``units`` that came without them (their ``extras`` hold a ``HELD_KEY``); what the controller set on them (rewards, advantage) stays. Returns how many
     samples were restored; an error names a sample this worker does not hold (a step's units sent after the next
     rollout began)."""
     restored = 0
@@ -155,6 +181,8 @@ def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
         source = held[key]
         sample.latents, sample.sigmas, sample.logprobs = source.latents, source.sigmas, source.logprobs
         sample.extras = source.extras
+        if sample.output is None:  # sent without it (``shed_outputs``)
+            sample.output = source.output
         restored += 1
     return restored
 
@@ -575,7 +603,7 @@ class RayExecutor:
         built from the same config; metrics are reduced across ranks by the engine."""
         import ray
 
-        ref = ray.put(units)
+        ref = ray.put(shed_outputs(units) if self.hold else units)
         reference = None
         if self.reference_worker is not None:  # computed beside the actor's own pass, sent to every rank
             reference = [self.reference_worker.reference_outputs.remote(ref)]
