@@ -14,8 +14,8 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
 - both again while ``--load-threads`` busy processes (default: one per core) compete for the CPUs:
   ``loaded / quiet`` is the degradation, for omnirl's step and for the bare loop; ``settled``: the same
   without each round's first step (the step the load started or stopped under: the default policy re-judges
-  its pool at each step; it gives up a thread at once when other processes fill every core, but takes one back
-  only after a step on the smaller pool shows the wait has gone).
+  its pool at each step; it gives up a thread at once when other processes fill every core, and takes one back
+  at once when no other process has a runnable task).
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 

@@ -110,8 +110,11 @@ class _Clock:
 
 def _governor(ceiling: int = 4):
     clock, applied = _Clock(), []
-    gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append, probe=lambda: gov.taken)
-    gov.taken = False  # scripted: whether other processes fill every core at the next observation
+    gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append, probe=lambda: gov.others,
+                                 machine_cpus=ceiling)
+    # scripted: other processes' runnable tasks at the next observation (1: they neither fill every core nor
+    # leave the machine free; the ceiling: they fill it; 0: none)
+    gov.others = 1
     return gov, clock, applied
 
 
@@ -164,23 +167,44 @@ def test_governor_gives_up_a_thread_at_once_when_other_processes_fill_every_core
     gov, clock, applied = _governor(2)
     clock.phase(1.0, 0.0)
     assert gov.observe() == 2 and not gov.cpus_taken
-    gov.taken = True
+    gov.others = 2
     clock.phase(1.0, 0.0)  # a quiet last step, but the cores are taken now
     assert gov.observe() == 1 and gov.cpus_taken
     clock.phase(1.0, 0.0)  # quiet on one thread (the other core is ours alone): no thread back while taken
     assert gov.observe() == 1
-    gov.taken = False
+    gov.others = 1
     clock.phase(1.0, 0.0)
     assert gov.observe() == 2  # the load has gone
     assert applied == [2, 1, 1, 2]
-    gov.taken = True
+    gov.others = 2
     clock.phase(0.01, 0.0)  # too short a step to judge the wait: the machine still counts
     assert gov.observe() == 1
 
 
+def test_governor_takes_a_thread_back_at_once_when_no_other_process_runs():
+    """The first step after a load has gone runs on the threads given up for it, unless a thread taken back has
+    just made the wait return (then the patience: quiet steps first)."""
+    gov, clock, applied = _governor(2)
+    clock.phase(1.0, 1.0)  # loaded
+    assert gov.observe() == 1
+    clock.phase(1.0, 0.5)  # still loaded, on one thread
+    assert gov.observe() == 1 and not gov.machine_free
+    gov.others = 0  # the load ended between two steps: the last step's wait is still the load's
+    clock.phase(1.0, 0.5)
+    assert gov.observe() == 2 and gov.machine_free
+    clock.phase(1.0, 0.5)  # it was back: the thread taken back waits again
+    assert gov.observe() == 1 and gov.patience == 2
+    clock.phase(1.0, 0.5)
+    assert gov.observe() == 1  # free right now again, but the last one taken back was undone
+    for expected in (1, 2):  # two quiet steps (the patience), then it comes back
+        clock.phase(1.0, 0.0)
+        assert gov.observe() == expected
+    assert applied == [1, 1, 2, 1, 1, 1, 2]
+
+
 def test_governor_says_why_when_the_machine_made_it_give_up_a_thread(caplog):
     gov, clock, _ = _governor(2)
-    gov.taken = True
+    gov.others = 2
     with caplog.at_level("WARNING", logger="omnirl"):
         clock.phase(1.0, 0.0)
         gov.observe()
@@ -208,6 +232,11 @@ def test_cpus_taken_counts_other_processes_runnable_tasks(tmp_path):
     assert taken(3) is False  # 3 runnable, 2 of them ours: one other
     assert taken(4) is True  # two others fill both cores
     assert taken(5, cpus=4) is False
+    counts = []
+    for running in (1, 2, 3, 4, 6):
+        loadavg.write_text(f"1.00 0.50 0.20 {running}/80 1234\n")
+        counts.append(threads.others_runnable(2, gap_s=0.0, loadavg=loadavg, task_dir=tasks))
+    assert counts == [0, 1, 1, 2, 4]  # the reader; then the others, less our running threads where it matters
     loadavg.write_text("garbage")
     assert threads.cpus_taken(2, loadavg=loadavg, task_dir=tasks) is None
 

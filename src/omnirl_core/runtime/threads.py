@@ -16,7 +16,8 @@ By default (``run.threads: adaptive``) the pool also follows the load: at each s
 rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` reads how long this process's
 threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
 while they wait much of the time, taking it back once they stop waiting; and where this process sees the whole
-machine, it gives one up at once when other processes' runnable tasks fill every core right then. Other processes'
+machine, it gives one up at once when other processes' runnable tasks fill every core right then, and takes one
+back at once when no other process has a runnable task (the load has gone). Other processes'
 load is seen through its effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy
 host. On a quiet machine
 the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
@@ -95,16 +96,18 @@ def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[i
     return out
 
 
-def cpus_taken(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001, loadavg: Path = Path("/proc/loadavg"),
-               task_dir: Path = Path("/proc/self/task")) -> bool | None:
-    """Whether other processes' tasks alone, running or waiting for a CPU right now, fill ``cpus`` CPUs (default:
-    every core of the machine): the kernel's count of runnable tasks (``/proc/loadavg``) less this process's own,
-    in each of ``reads`` reads ``gap_s`` apart (a burst of some daemon passes; a quiet machine answers at the first
-    read). Machine-wide, so None where this process does not see the whole machine (an affinity mask or a cgroup
-    quota: the others may run on CPUs it does not use), or where it cannot be read."""
+def others_runnable(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001,
+                    loadavg: Path = Path("/proc/loadavg"), task_dir: Path = Path("/proc/self/task")) -> int | None:
+    """How many of other processes' tasks are running or waiting for a CPU right now: the kernel's count of
+    runnable tasks (``/proc/loadavg``) less this process's own. While they fill ``cpus`` CPUs (default: every core
+    of the machine) it reads again, ``reads`` times ``gap_s`` apart, and gives the fewest (a burst of some daemon
+    passes); a read below that answers at once (a quiet machine costs one read). Machine-wide, so None where this
+    process does not see the whole machine (an affinity mask or a cgroup quota: the others may run on CPUs it does
+    not use), or where it cannot be read."""
     if available_cpus() != (os.cpu_count() or 1):
         return None
     cpus = cpus or available_cpus()
+    fewest: int | None = None
     for i in range(reads):
         if i:
             time.sleep(gap_s)
@@ -112,21 +115,31 @@ def cpus_taken(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001, lo
             running = int(loadavg.read_text().split()[3].split("/")[0])
         except (OSError, ValueError, IndexError):
             return None
-        if running - 1 < cpus:  # the reading thread is one of them
-            return False
-        mine = 0
-        try:
-            for tid in os.listdir(task_dir):
-                try:
-                    stat = (task_dir / tid / "stat").read_text()
-                except OSError:
-                    continue  # the thread ended meanwhile
-                mine += stat[stat.rindex(")") + 2:].startswith("R")
-        except OSError:
-            return None
-        if running - max(mine, 1) < cpus:
-            return False
-    return True
+        others = running - 1  # the reading thread is one of them
+        if others >= cpus:  # maybe: less the other threads of ours that run now
+            mine = 0
+            try:
+                for tid in os.listdir(task_dir):
+                    try:
+                        stat = (task_dir / tid / "stat").read_text()
+                    except OSError:
+                        continue  # the thread ended meanwhile
+                    mine += stat[stat.rindex(")") + 2:].startswith("R")
+            except OSError:
+                return None
+            others = running - max(mine, 1)
+        fewest = others if fewest is None else min(fewest, others)
+        if fewest < cpus:
+            break
+    return max(0, fewest or 0)
+
+
+def cpus_taken(cpus: int | None = None, **probe: Any) -> bool | None:
+    """Whether other processes' tasks alone, running or waiting for a CPU right now, fill ``cpus`` CPUs (default:
+    every core of the machine); ``others_runnable`` (its arguments) counts them; None where it cannot."""
+    cpus = cpus or available_cpus()
+    others = others_runnable(cpus, **probe)
+    return None if others is None else others >= cpus
 
 
 class ThreadGovernor:
@@ -138,29 +151,37 @@ class ThreadGovernor:
     back that makes the wait jump again at once doubles the patience (up to 32 steps), so a load that leaves
     room for some but not all threads does not flip the count every step. Steps with less than
     ``min_cpu_s`` of CPU time are added to the next one. It also looks at the machine right now (``probe``,
-    ``cpus_taken``): when other processes' runnable tasks alone fill every core of the machine (not just the
+    ``others_runnable``): when other processes' runnable tasks alone fill every core of the machine (not just the
     ``ceiling``: other ranks of the run may compute on the rest), it gives up a thread at once and takes none
-    back, so a load that began between two steps is answered at the first step it loads, not one step later. The
-    first time it gives up a thread it says so (once per process), with the fixed count that keeps a run
+    back, so a load that began between two steps is answered at the first step it loads, not one step later; when
+    no other process has a runnable task, a thread it gave up comes back at once (unless taking one back has just
+    made the wait return: the patience above), so the first step after a load has gone runs on the threads it
+    regained, not on the loaded step's count. The first time it gives up a thread it says so (once per process), with the fixed count that keeps a run
     reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
-                 sample: Any = own_schedstat, apply: Any = None, probe: Any = cpus_taken):
+                 sample: Any = own_schedstat, apply: Any = None, probe: Any = others_runnable,
+                 machine_cpus: int | None = None):
         self.ceiling = self.threads = max(1, ceiling)
         self.drop_above, self.raise_below, self.min_ns = drop_above, raise_below, int(min_cpu_s * 1e9)
         self.sample = sample
         self.apply = apply if apply is not None else _set_torch_threads
         self.probe = probe
+        self.machine_cpus = machine_cpus or os.cpu_count() or 1
         self.patience, self._quiet, self._just_raised = 1, 0, False
         self._told = False
         self.wait_share = 0.0
         """The last observed share of runnable time spent waiting."""
         self.cpus_taken = False
         """At the last observation, other processes' runnable tasks filled every core (``probe``)."""
+        self.machine_free = False
+        """At the last observation, no other process had a runnable task (``probe``)."""
         self._last = sample()
 
     def observe(self) -> int:
-        self.cpus_taken = self.ceiling > 1 and bool(self.probe())
+        others = self.probe() if self.ceiling > 1 else None
+        self.cpus_taken = others is not None and others >= self.machine_cpus
+        self.machine_free = others == 0
         now = self.sample()
         run = wait = 0
         for tid, (r, w) in now.items():
@@ -177,6 +198,10 @@ class ThreadGovernor:
         raised = False
         if (share > self.drop_above or self.cpus_taken) and self.threads > 1:
             self._drop(by_probe=share <= self.drop_above)
+        elif self.machine_free and self.threads < self.ceiling and self.patience == 1:
+            self.threads += 1  # the load has gone (the last step's wait is the load's): no quiet step to wait for
+            self._quiet = 0
+            raised = True
         elif share < self.raise_below and self.threads < self.ceiling and not self.cpus_taken:
             self._quiet += 1
             if self._quiet >= self.patience:
