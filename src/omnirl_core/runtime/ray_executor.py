@@ -166,8 +166,8 @@ def shed_outputs(units: list[Any]) -> list[Any]:
 
 def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
     """Puts the worker's kept trajectories (and outputs, where ``shed_outputs`` left them out) back into the samples
-    of ``units`` that came without them (their ``extras`` hold a ``HELD_KEY``); what the controller set on them (rewards, advantage) stays. Returns how many
-    samples were restored; an error names a sample this worker does not hold (a step's units sent after the next
+    of ``units`` that came without them (their ``extras`` hold a ``HELD_KEY``); what the controller set on them
+    (rewards, advantage) stays. Returns how many samples were restored; an error names a sample this worker does not hold (a step's units sent after the next
     rollout began)."""
     restored = 0
     for unit in units:

@@ -17,9 +17,8 @@ rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` 
 threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
 while they wait much of the time, taking it back once they stop waiting; and where this process sees the whole
 machine, it gives one up at once when other processes' runnable tasks fill every core right then, and takes one
-back at once when no other process has a runnable task (the load has gone). Other processes'
-load is seen through its effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy
-host. On a quiet machine
+back at once when no other process has a runnable task (the load has gone). Other processes' load is seen through
+its effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
 the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
 2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
 one 1.7-2.1x (``benchmarks/README.md``).
@@ -156,8 +155,8 @@ class ThreadGovernor:
     back, so a load that began between two steps is answered at the first step it loads, not one step later; when
     no other process has a runnable task, a thread it gave up comes back at once (unless taking one back has just
     made the wait return: the patience above), so the first step after a load has gone runs on the threads it
-    regained, not on the loaded step's count. The first time it gives up a thread it says so (once per process), with the fixed count that keeps a run
-    reproducible bit for bit."""
+    regained, not on the loaded step's count. The first time it gives up a thread it says so (once per process),
+    with the fixed count that keeps a run reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
                  sample: Any = own_schedstat, apply: Any = None, probe: Any = others_runnable,
