@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.runtime.threads import apply_env
+from omnirl_core.host.threads import apply_env
 
 apply_env()  # the thread policy a CLI run gets (OpenMP threads, spin-then-sleep), set before torch loads
 
+from omnirl_core.loop.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
 
 RESULTS = Path(__file__).with_name("results")
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",

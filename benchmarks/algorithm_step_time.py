@@ -25,9 +25,9 @@ from typing import Any
 from _train import environment, write
 
 from omnirl_core.config import deep_merge
+from omnirl_core.loop.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
 
 STEPS = 8
 # name -> (algorithm, algorithm options); everything else is the shared tiny run

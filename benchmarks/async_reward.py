@@ -99,7 +99,7 @@ def summary(records: dict) -> dict:
 
 
 def start_judge(latency: float) -> tuple[subprocess.Popen, str]:
-    from omnirl_core.runtime.distributed import free_port
+    from omnirl_core.loop.distributed import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "omnirl_plugin_vlm_judge.server", "--port", str(port),
@@ -259,7 +259,7 @@ def run_learned(args, tmp: Path, result: dict) -> None:
         return
     import os
 
-    from omnirl_core.runtime.distributed import free_port
+    from omnirl_core.loop.distributed import free_port
 
     port = free_port()
     exe = Path(sys.executable).with_name("omnirl")

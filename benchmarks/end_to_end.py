@@ -19,7 +19,7 @@ For each policy (a child process, since the OpenMP runtime reads its wait policy
 Quiet and loaded measurements alternate within each child (``--reps`` rounds), so a drift of the machine's
 own load hits both. Writes ``benchmarks/results/end_to_end[-CONFIG].json``.
 
-Policies: ``default`` (omnirl's, ``omnirl_core.runtime.threads``: ``run.threads: adaptive``, a thread fewer
+Policies: ``default`` (omnirl's, ``omnirl_core.host.threads``: ``run.threads: adaptive``, a thread fewer
 while the process waits for CPUs, and a brief spin), ``fixed`` (``run.threads: fixed``: every core, always),
 and with a fixed pool too: ``gomp`` (libgomp's own spin count, 300000), ``passive`` (OMP_WAIT_POLICY=PASSIVE),
 ``spin=N`` (GOMP_SPINCOUNT=N). The floor always runs with the full pool: it is the bare loop a user would write.
@@ -108,7 +108,7 @@ def floor(ctl: Any, step: int, pool: int) -> dict[str, float]:
 def _floor(ctl: Any, step: int) -> dict[str, float]:
     import torch
 
-    from omnirl_core.runtime.training import chunks
+    from omnirl_core.loop.training import chunks
 
     cfg, worker = ctl.cfg, ctl.executor.worker
     model = worker.model
@@ -174,7 +174,7 @@ PHASES = ("time/rollout_s", "time/reward_s", "time/train_s", "time/sync_s")
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    from omnirl_core.runtime import threads
+    from omnirl_core.host import threads
 
     threads.apply_env()  # as the CLI does, before torch loads; a policy's variables were set by the parent
     import torch
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--run-threads", default="adaptive", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_threads is None:
-        from omnirl_core.runtime.threads import available_cpus
+        from omnirl_core.host.threads import available_cpus
 
         args.load_threads = available_cpus()
     if args.child:

@@ -79,7 +79,7 @@ def create_model(section: Any, options: Any, device: Any) -> Any:
     from omnirl_plugin_qwen_image.model import create_model as create_qwen_image
 
     from omnirl_core.flow.model import DTYPES
-    from omnirl_core.runtime.precision import concrete_dtype
+    from omnirl_core.precision import concrete_dtype
 
     if section.preset == "tiny":
         return create_qwen_image(section, options, device)
@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from omnirl_cli.plan import device_memory_bytes
 
     from omnirl_core.config import deep_merge
+    from omnirl_core.loop.controller import Controller
     from omnirl_core.plan.planner import plan_memory
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.controller import Controller
 
     m = manager()
     cuda = args.device == "cuda"

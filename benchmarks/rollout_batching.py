@@ -208,10 +208,10 @@ def text_encoder_probe() -> Iterator[dict[str, float]]:
 
 def training_steps(steps: int, cache_size: int) -> list[dict[str, float]]:
     """``steps`` FlowGRPO steps of the tiny Qwen-Image preset through the real controller."""
+    from omnirl_core.loop.controller import Controller
     from omnirl_core.plugins import get_plugin_manager
     from omnirl_core.resolve import resolve_run
     from omnirl_core.rundir.rundir import RunDir
-    from omnirl_core.runtime.controller import Controller
 
     layers = [{"model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
                "run": {"steps": steps, "device": "cpu", "save_every": 10_000, "sample_every": 10_000},

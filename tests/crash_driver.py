@@ -40,9 +40,9 @@ def main() -> None:
             os.kill(os.getpid(), signum)
             threading.Event().wait(0.2)  # lets the main thread's handler run between two signals
 
+    from omnirl_core.loop import controller
     from omnirl_core.rundir import checkpoint
     from omnirl_core.rundir import rundir as tracking
-    from omnirl_core.runtime import controller
 
     collect = controller.Controller.collect
 
@@ -55,7 +55,7 @@ def main() -> None:
     controller.Controller.collect = collect_hook
 
     if point == "reward":
-        from omnirl_core.runtime import rewards
+        from omnirl_core.rewards import dispatch as rewards
 
         score = rewards.RewardSet.score
 
@@ -80,7 +80,7 @@ def main() -> None:
         torch.optim.AdamW.step = step_hook
 
     if point == "sync":
-        from omnirl_core.runtime import executors
+        from omnirl_core.loop import executors
 
         sync = executors.InlineExecutor.sync_weights
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from omnirl_core.ar.sampling import SamplingParams, pad_sequences, sample_tokens, sampling_logprobs
+from omnirl_core.data.sources import load_records
 from omnirl_core.errors import ConfigError
 from omnirl_core.rundir.rundir import RunDir
-from omnirl_core.runtime.data import load_records
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log() + 1.7  # any shift: softmax is invariant

@@ -69,10 +69,10 @@ def test_cfg_grad_both_backpropagates_through_the_unconditional_branch_in_one_ca
 
 def _update_with(tmp_path, cfg_grad: str):
     from omnirl_core.flow.model import CFG_GRAD
+    from omnirl_core.loop.controller import Controller
+    from omnirl_core.loop.worker import Worker
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.controller import Controller
-    from omnirl_core.runtime.worker import Worker
 
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",

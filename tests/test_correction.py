@@ -71,7 +71,7 @@ def test_bypass_keeps_the_first_delta_and_step_diagnostics():
 
 
 def test_minibatches_keep_samples_whole_and_ranks_take_whole_samples():
-    from omnirl_core.runtime.training import minibatches, rank_share
+    from omnirl_core.loop.training import minibatches, rank_share
 
     units, _ = _units([[0.0] * 3, [0.0] * 2, [0.0] * 3, [0.0]])
     batches = minibatches(units, 2, step=4, shuffle=True)

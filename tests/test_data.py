@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.config import DataSection
+from omnirl_core.data.sources import builtin_sets, load_data, load_records, split_by_fraction
 from omnirl_core.errors import ConfigError
-from omnirl_core.runtime.data import builtin_sets, load_data, load_records, split_by_fraction
 
 from .conftest import run_cli
 
@@ -105,7 +105,7 @@ def test_split_column_test_file_and_builtin_sets(tmp_path: Path):
 def test_shipped_sets_are_what_the_generator_writes():
     import importlib.util
 
-    folder = Path(__file__).resolve().parents[1] / "src" / "omnirl_core" / "prompts"
+    folder = Path(__file__).resolve().parents[1] / "src" / "omnirl_core" / "data" / "builtin"
     spec = importlib.util.spec_from_file_location("make_sets", folder / "make_sets.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

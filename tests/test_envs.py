@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omnirl_core.errors import UsageError
-from omnirl_core.runtime.envs import (
+from omnirl_core.serving.envs import (
     environment_dir,
     environment_python,
     is_built,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from omnirl_core.runtime.evaluation import EvalResult, compare, eval_seed, ode_plan
+from omnirl_core.loop.evaluation import EvalResult, compare, eval_seed, ode_plan
 
 from .conftest import run_cli
 

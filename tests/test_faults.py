@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.loop.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
-from omnirl_core.runtime.rewards import RewardError, RewardHealth
+from omnirl_core.rewards.dispatch import RewardError, RewardHealth
 
 FIXTURES = Path(__file__).parent / "fixture_plugins"
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
@@ -146,7 +146,7 @@ def test_deadline_threads_are_reused_and_a_hung_call_keeps_its_own():
     thread (the next call gets another) until it returns; an idle thread ends."""
     import threading
 
-    from omnirl_core.runtime.rewards import DeadlineThreads, RewardTimeout, call_with_deadline
+    from omnirl_core.rewards.dispatch import DeadlineThreads, RewardTimeout, call_with_deadline
 
     pool = DeadlineThreads(idle_s=0.5)
     first = pool.submit(threading.get_ident).result(timeout=10)

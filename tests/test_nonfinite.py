@@ -15,7 +15,7 @@ from omnirl_core.ar.sampling import SamplingParams, sampling_logprobs
 from omnirl_core.config import RunConfig
 from omnirl_core.flow.sampler import step_mean, transition_logprob
 from omnirl_core.interfaces import Sample
-from omnirl_core.runtime.training import NonFiniteError
+from omnirl_core.loop.training import NonFiniteError
 
 
 class _Linear:

@@ -1,9 +1,9 @@
-"""Library warnings that repeat every step are shown once (``omnirl_core.runtime.quiet``)."""
+"""Library warnings that repeat every step are shown once (``omnirl_core.host.quiet``)."""
 
 import io
 import logging
 
-from omnirl_core.runtime.quiet import _FILTER, OncePerKind, show_repeats_once
+from omnirl_core.host.quiet import _FILTER, OncePerKind, show_repeats_once
 
 
 def test_a_message_kind_passes_once_and_errors_always():

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.errors import UsageError
+from omnirl_core.loop.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
 
 ray = pytest.importorskip("ray")
 
@@ -84,7 +84,7 @@ def test_the_colocated_worker_keeps_the_trajectories(ray_cluster, tmp_path: Path
     """Colocated, FlowGRPO: the controller's samples come without trajectories (one object per sample in the
     stream), the update gets the worker's own back; an evaluation rollout (no update) and a split placement
     stream whole samples."""
-    from omnirl_core.runtime.ray_executor import HELD_KEY
+    from omnirl_core.loop.ray_executor import HELD_KEY
 
     resolved = _resolved(tmp_path / "colocated", executor="ray", placement="colocated")
     controller = Controller(resolved, tmp_path / "colocated")
@@ -115,7 +115,7 @@ def test_a_reward_slot_that_frees_takes_the_waiting_samples_before_the_next_one_
     import threading
     import time
 
-    from omnirl_core.runtime.ray_executor import _RewardDispatch, consume_stream
+    from omnirl_core.loop.ray_executor import _RewardDispatch, consume_stream
 
     flag = tmp_path / "third"
 
@@ -157,8 +157,8 @@ def test_samples_that_finish_together_go_in_one_call_to_a_reward_that_judges_a_b
     in one call; the next sample, which comes later, in another, though the first call still runs."""
     import time
 
-    from omnirl_core.runtime import ray_executor
-    from omnirl_core.runtime.ray_executor import _RewardDispatch, consume_stream
+    from omnirl_core.loop import ray_executor
+    from omnirl_core.loop.ray_executor import _RewardDispatch, consume_stream
 
     monkeypatch.setattr(ray_executor, "COALESCE_S", 0.3)  # a wave's gaps on a loaded machine, well under the next's
 
@@ -206,7 +206,7 @@ def test_a_remote_judge_on_ray_scores_each_wave_in_one_call_of_an_async_actor(ra
     from omnirl_plugin_vlm_judge.reward import VLMJudge
     from omnirl_plugin_vlm_judge.server import make_server
 
-    from omnirl_core.runtime import ray_executor
+    from omnirl_core.loop import ray_executor
 
     monkeypatch.setattr(ray_executor, "COALESCE_S", 0.3)  # a wave's gaps on a loaded machine
     server = make_server()
@@ -247,7 +247,7 @@ def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing
 
     from omnirl_core.flow.policy_gradient import Transition
     from omnirl_core.interfaces import GenRequest, Sample
-    from omnirl_core.runtime.ray_executor import HELD_KEY, restore_trajectories, reward_view, shed_outputs
+    from omnirl_core.loop.ray_executor import HELD_KEY, restore_trajectories, reward_view, shed_outputs
 
     def sample(uid: int) -> Sample:
         request = GenRequest(uid=uid, prompt=f"p{uid}", prompt_index=uid, group=0, seed=uid, height=8, width=8,
@@ -319,7 +319,7 @@ def test_inline_separate_reference_worker_matches_the_actor_reference(tmp_path: 
 
 
 def test_colocated_with_several_train_ranks_is_refused(tmp_path: Path):
-    from omnirl_core.runtime.ray_executor import RayExecutor
+    from omnirl_core.loop.ray_executor import RayExecutor
 
     with pytest.raises(UsageError, match="placement=split"):
         RayExecutor(_resolved(tmp_path, executor="ray", train_workers=2))
@@ -340,8 +340,8 @@ def test_pools_larger_than_the_cluster_fail_at_once(ray_cluster, tmp_path: Path)
 
 def test_actors_size_torch_to_the_cpus_ray_assigned_them(ray_cluster, tmp_path: Path):
     """Ray does not pin actors to cores: each sizes torch's pools to its own CPUs, not to the machine's."""
-    from omnirl_core.runtime.ray_executor import RewardActor, actor_runtime_env
-    from omnirl_core.runtime.threads import available_cpus, ray_assigned_cpus
+    from omnirl_core.host.threads import available_cpus, ray_assigned_cpus
+    from omnirl_core.loop.ray_executor import RewardActor, actor_runtime_env
 
     assert ray_assigned_cpus() is None  # the driver
     resolved = _resolved(tmp_path)
@@ -359,7 +359,7 @@ def test_actors_run_at_the_drivers_priority(ray_cluster, tmp_path: Path):
     renices workers by 15 (any other process on a busy node then takes the actors' CPUs first)."""
     import os
 
-    from omnirl_core.runtime.ray_executor import RayExecutor
+    from omnirl_core.loop.ray_executor import RayExecutor
 
     executor = RayExecutor(_resolved(tmp_path, executor="ray"))
     executor.setup()
@@ -373,7 +373,7 @@ def test_actors_run_at_the_drivers_priority(ray_cluster, tmp_path: Path):
 
 
 def test_the_niceness_setting_reaches_each_actors_runtime_environment(tmp_path: Path):
-    from omnirl_core.runtime.ray_executor import actor_runtime_env
+    from omnirl_core.loop.ray_executor import actor_runtime_env
 
     def env(**run):
         return actor_runtime_env(_resolved(tmp_path, executor="ray", **run).config.run, "reward")
@@ -403,7 +403,7 @@ def test_a_worker_group_runs_in_its_own_runtime_environment(ray_cluster, inline_
 
 
 def test_runtime_environment_mistakes_are_clear(tmp_path: Path):
-    from omnirl_core.runtime.ray_executor import group_runtime_env
+    from omnirl_core.loop.ray_executor import group_runtime_env
 
     with pytest.raises(UsageError, match=r"unknown keys \['conda'\]"):
         group_runtime_env({"conda": "x"}, "reward")
@@ -419,7 +419,7 @@ def test_rewards_that_score_each_sample_on_its_own_are_batched_without_reward_ba
     run.reward_batching); a reward that does not declare it, alone or beside colour, keeps a call per sample."""
     from omnirl_plugin_color.reward import ColorMatch
 
-    from omnirl_core.runtime.rewards import RewardFn, RewardSet
+    from omnirl_core.rewards.dispatch import RewardFn, RewardSet
 
     resolved = _resolved(tmp_path)
     controller = Controller(resolved, tmp_path)

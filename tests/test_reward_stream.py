@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
-from omnirl_core.runtime.rewards import RewardError, RewardFn, RewardSet, RewardStream
+from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet, RewardStream
 
 PLAN = RolloutPlan(step_kinds=("ode",), train_steps=())
 
@@ -102,9 +102,9 @@ def test_inline_rollout_gives_cpu_bound_rewards_their_cores(tmp_path, monkeypatc
                                                            expected):
     import torch
 
+    from omnirl_core.loop.executors import InlineExecutor
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.executors import InlineExecutor
 
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
-from omnirl_core.runtime.rewards import RewardError, RewardFn, RewardSet
+from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet
 
 PLAN = RolloutPlan(step_kinds=("ode",), train_steps=())
 

@@ -10,11 +10,11 @@ import textwrap
 import pytest
 import torch
 
-from omnirl_core.runtime.rollout_server import ServerError, ServerProcess, pack, unpack
+from omnirl_core.serving.rollout_server import ServerError, ServerProcess, pack, unpack
 
 SERVER = textwrap.dedent('''
     import torch
-    from omnirl_core.runtime.rollout_server import serve
+    from omnirl_core.serving.rollout_server import serve
 
     def double(meta, tensors):
         return {"n": meta["n"] * 2, "names": sorted(tensors)}, {k: v * 2 for k, v in tensors.items()}

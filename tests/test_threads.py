@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from omnirl_core.runtime import threads
+from omnirl_core.host import threads
 
 
 def test_cgroup_quotas_v2_and_v1(tmp_path):
@@ -296,9 +296,9 @@ def test_governor_sees_a_real_competing_load():
 
 
 def _controller(tmp_path, run: dict):
+    from omnirl_core.loop.controller import Controller
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.controller import Controller
 
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",

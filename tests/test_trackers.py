@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun, TrackerSet, resolve_trackers
+from omnirl_core.loop.trackers import StepEvent, TrackerRun, TrackerSet, resolve_trackers
 
 from .conftest import run_cli
 

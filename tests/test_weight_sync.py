@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from omnirl_core.flow.policy_gradient import transition_stats
+from omnirl_core.loop.controller import Controller
+from omnirl_core.loop.worker import Worker
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
-from omnirl_core.runtime.weight_sync import state_bytes
-from omnirl_core.runtime.worker import Worker
+from omnirl_core.weights import state_bytes
 
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
            "omnirl_plugin_torch", "omnirl_plugin_color"]
@@ -97,7 +97,7 @@ def test_stale_rollout_is_seen_by_is_diagnostics_and_rejected_by_the_rs_mask(tmp
 def _mismatched_units(tmp_path, old_logprob: str, band=None):
     """Tiny Qwen-Image: the rollout worker's LoRA weights differ from the trainer's by a little noise (a
     bad weight sync), so every step has its own delta; returns the pieces for two identical trainers."""
-    from omnirl_core.runtime.worker import Worker
+    from omnirl_core.loop.worker import Worker
 
     controller, actor, rollout = _workers(tmp_path, True, lr=1e-2, old_logprob=old_logprob, micro_batch_size=1)
     state = actor.trained_state()

@@ -1,5 +1,5 @@
 """``omnirl env``: environments of their own for components whose packages clash with the project's
-(a serving engine's pinned transformers / diffusers / torch). See ``omnirl_core.runtime.envs``."""
+(a serving engine's pinned transformers / diffusers / torch). See ``omnirl_core.serving.envs``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def build(
 ) -> None:
     """Build NAME's environment from its declared requirements (a venv under the omnirl cache); prints its
     directory. Idempotent: a built environment is reused."""
-    from omnirl_core.runtime.envs import build_environment, component_environment
+    from omnirl_core.serving.envs import build_environment, component_environment
 
     spec = component_environment(name, device)
     _log(f"omnirl: building the environment of '{spec.name}' ({spec.device}) from {spec.source}")
@@ -38,7 +38,7 @@ def build(
 def path(name: str = typer.Argument(..., help="A component that declares an environment."),
          device: str = DeviceOpt) -> None:
     """The interpreter of NAME's built environment (exit 2 with how to build it when it is not built)."""
-    from omnirl_core.runtime.envs import component_environment, environment_python
+    from omnirl_core.serving.envs import component_environment, environment_python
 
     print(environment_python(component_environment(name, device)))
 
@@ -47,7 +47,7 @@ def path(name: str = typer.Argument(..., help="A component that declares an envi
 def list_envs(device: str = DeviceOpt, fmt: str = typer.Option("table", "--format", help="table or json.")) -> None:
     """Installed components that declare an environment, and whether it is built."""
     from omnirl_cli.main import _check_format, _print_table
-    from omnirl_core.runtime.envs import declared_environments
+    from omnirl_core.serving.envs import declared_environments
 
     _check_format(fmt)
     rows = declared_environments(device)

@@ -22,7 +22,7 @@ import yaml
 
 from omnirl_core import __version__
 from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, OmnirlError, RunInterrupted, UsageError
-from omnirl_core.runtime import threads
+from omnirl_core.host import threads
 
 threads.apply_env()  # the OpenMP pool's size and wait policy: read once, when torch loads (after this)
 
@@ -357,8 +357,8 @@ def config_show(
 @run_flags()
 def train(flags: RunFlags, dry_run: bool = DryRunOpt) -> None:
     """Train a model with an algorithm and rewards."""
+    from omnirl_core.loop.launch import Launch
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.launch import Launch
 
     manager = _manager()
     resolved = resolve_run(manager, flags.layers(manager), probe_device=not dry_run)
@@ -379,7 +379,7 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt) -> None:
 def _train(resolved, run_path: Path, data=None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from omnirl_core.runtime.controller import Controller
+    from omnirl_core.loop.controller import Controller
 
     cfg = resolved.config
     progress = Progress(
@@ -437,7 +437,7 @@ def plugin_new(
 # -- evaluate, sample, report -------------------------------------------------------------------------
 
 def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager):
-    from omnirl_core.runtime.evaluation import resolve_for_eval
+    from omnirl_core.loop.evaluation import resolve_for_eval
 
     layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, device, None,
                           qualified={s.qualified_name for s in manager.registries["reward"]})
@@ -482,7 +482,7 @@ def eval_cmd(
     fmt: str = FormatOpt,
 ) -> None:
     """Evaluate a model on held-out prompts: fixed seeds, the deterministic (ODE) sampler, every reward."""
-    from omnirl_core.runtime import evaluation as ev
+    from omnirl_core.loop import evaluation as ev
 
     _check_format(fmt)
     if compare not in (None, "base"):
@@ -569,7 +569,7 @@ def sample_cmd(
     device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
 ) -> None:
     """Generate from a model (a run's checkpoint, a LoRA or the base) for a list of prompts into a folder."""
-    from omnirl_core.runtime.evaluation import (
+    from omnirl_core.loop.evaluation import (
         Evaluator,
         eval_records,
         eval_requests,

@@ -24,8 +24,8 @@ def serve(
     """Serve reward NAME: POST /score (JSON, PNG images / PNG video frames), GET /health. Concurrent requests
     are scored in batches. Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token."""
     from omnirl_core.config import parse_set
+    from omnirl_core.rewards.server import RewardServer
     from omnirl_core.rewards_kit import build_reward
-    from omnirl_core.runtime.reward_server import RewardServer
 
     reward, spec = build_reward(name, parse_set(overrides or []))
     server = RewardServer(reward, spec.name, spec.modalities, host=host, port=port, max_batch=max_batch,

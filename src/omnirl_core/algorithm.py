@@ -38,7 +38,7 @@ class Algorithm:
     """Whether ``assign_advantages`` or ``training_units`` read a sample's trajectory (``latents``, ``sigmas``,
     ``logprobs``, ``extras``). False lets a colocated Ray worker keep the trajectories where it made them: the
     controller gets each sample without them (its request, output and rewards), and the update finds them in the
-    worker's memory instead of receiving them back (``omnirl_core.runtime.ray_executor``)."""
+    worker's memory instead of receiving them back (``omnirl_core.loop.ray_executor``)."""
 
     has_eval_policy: bool = False
     """Whether ``eval_policy`` swaps in other weights than the trained ones (then checkpoints also hold those

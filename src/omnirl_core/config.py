@@ -229,7 +229,7 @@ class RunSection(Section):
         "one fewer while its threads wait for a CPU much of the time (a machine other jobs load), re-judged at "
         "each step; the count then follows the load, and floating-point sums with it, so a run is reproducible "
         "bit for bit only with a fixed count: 'fixed' (every core this process may use, always) or a number; "
-        "null (configs of earlier versions): the default. See omnirl_core.runtime.threads.",
+        "null (configs of earlier versions): the default. See omnirl_core.host.threads.",
     )
     reward_timeout_s: float | None = Field(
         600.0, gt=0, description="Deadline of one reward call (a batch of samples), in seconds: "

@@ -68,7 +68,7 @@ def omnirl_register_devices(register: Register) -> None:
 def omnirl_register_trackers(register: Register) -> None:
     """Register experiment trackers: ``register(TrackerSpec(...))``. A tracker's factory takes its validated
     options and returns an object with ``start(run)``, ``log(event)`` and ``close()`` (see
-    ``omnirl_core.runtime.trackers``); it receives every step's metrics row after the row is written, and the sample
+    ``omnirl_core.loop.trackers``); it receives every step's metrics row after the row is written, and the sample
     grids. A tracker that fails is logged and never fails the run."""
 
 

@@ -75,7 +75,7 @@ class GenRequest:
     arrival_s: float = 0.0
     inputs: dict[str, Any] = field(default_factory=dict)
     """The prompt's data record besides the text: media paths (``image``, ``audio``) for models that read
-    them, reference answers for rewards that compare against one (see ``omnirl_core.runtime.data``)."""
+    them, reference answers for rewards that compare against one (see ``omnirl_core.data.sources``)."""
 
 
 @dataclass

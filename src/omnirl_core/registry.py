@@ -201,7 +201,7 @@ class DeviceSpec(ComponentSpec):
 @dataclass
 class TrackerSpec(ComponentSpec):
     """An experiment tracker (TensorBoard, W&B, ...). ``factory(options)`` returns the tracker; see
-    ``omnirl_core.runtime.trackers`` for what it is called with."""
+    ``omnirl_core.loop.trackers`` for what it is called with."""
 
     kind: ClassVar[str] = "tracker"
     requires: tuple[str, ...] = ()

@@ -208,7 +208,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
 
     device = resolve_device(manager, config.run.device) if probe_device else None
     if device is not None and config.model.dtype == "auto":
-        from omnirl_core.runtime.precision import concrete_dtype
+        from omnirl_core.precision import concrete_dtype
 
         config.model.dtype = concrete_dtype("auto", device.torch_device)  # type: ignore[assignment]
     if device is not None and device.torch_device == "cpu":

@@ -203,7 +203,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 
 class {cls}Options(BaseModel):
@@ -234,7 +234,7 @@ class {cls}:
         "test": '''from pathlib import Path
 
 from omnirl_core.plugins import get_plugin_manager
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 from {package}.tracker import {cls}
 
 

@@ -21,7 +21,7 @@ from omnirl_core.ar.sampling import SamplingParams, TokenPrompt, pad_sequences, 
 from omnirl_core.config import LoraConfig
 from omnirl_core.interfaces import GenRequest
 from omnirl_core.lora import adapters_disabled
-from omnirl_core.runtime.weight_sync import cpu_copy
+from omnirl_core.weights import cpu_copy
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig
 from omnirl_core.lora import adapters_disabled, lora_layers
-from omnirl_core.runtime.weight_sync import cpu_copy
+from omnirl_core.weights import cpu_copy
 
 
 class DenoiserModel:
@@ -480,7 +480,7 @@ def create_flow_model(model_cls: Any, pipeline_cls: Any, section: Any, options: 
 
     dtype_name = section.dtype
     if dtype_name == "auto":  # resolution makes it concrete; a plugin's own tests may call the factory directly
-        from omnirl_core.runtime.precision import concrete_dtype
+        from omnirl_core.precision import concrete_dtype
 
         dtype_name = concrete_dtype(dtype_name, torch.device(device).type)
     dtype = DTYPES[dtype_name]

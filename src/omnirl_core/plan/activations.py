@@ -154,7 +154,7 @@ def _prepare(module: torch.nn.Module, lora_rank: int | None, lora_targets: tuple
                                          module)
         for name, p in module.named_parameters():
             p.requires_grad_("lora_" in name)
-        from omnirl_core.runtime.precision import upcast_adapters
+        from omnirl_core.precision import upcast_adapters
 
         upcast_adapters(module.parameters())  # as the workers hold them: a float32 master copy
     else:

@@ -1,5 +1,5 @@
 """Code the learned-reward plugins share (plugins never import each other): CLIP loading and preprocessing
-(``clip``), tiny random-weight CLIP presets (``tiny_clip``), the reward server's wire format (``wire``), and
+(``clip``), tiny random-weight CLIP presets (``tiny_clip``), and
 ``build_reward``: another installed reward by name, for rewards that wrap one (and for the reward server).
 Importing this package loads nothing heavy; ``clip`` and ``tiny_clip`` import torch."""
 

@@ -83,7 +83,7 @@ def save_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any,
     algorithm's own state (rank 0: an EMA sampler policy, a reference snapshot)."""
     from safetensors.torch import save_file
 
-    from omnirl_core.runtime.weight_sync import export_trained_state
+    from omnirl_core.weights import export_trained_state
 
     files: list[str] = []
     if getattr(trainer, "sharded", False):

@@ -687,7 +687,7 @@ def require_engine_environment(name: str, device: str = "cpu") -> None:
     import pytest
 
     from omnirl_core.errors import UsageError
-    from omnirl_core.runtime.envs import component_environment, is_built
+    from omnirl_core.serving.envs import component_environment, is_built
 
     try:
         built = is_built(component_environment(name, device))

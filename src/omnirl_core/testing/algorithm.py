@@ -22,7 +22,7 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
 
     from omnirl_core.algorithm import Algorithm
     from omnirl_core.config import LoraConfig, RunConfig
-    from omnirl_core.runtime.training import MetricMean, chunks, prepare_all, rs_corrections
+    from omnirl_core.loop.training import MetricMean, chunks, prepare_all, rs_corrections
     from omnirl_core.testing import _requests, rollout
     from omnirl_core.testing.flow_toy import ToyFlowModel
 
@@ -45,8 +45,8 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
     held: dict[int, Any] = {}
     if not controller.controller_reads_trajectory:
         # as a colocated Ray worker runs it: the controller's side gets each sample without its trajectory, and
-        # the worker puts its own back into the units (omnirl_core.runtime.ray_executor)
-        from omnirl_core.runtime.ray_executor import HELD_KEY, reward_view
+        # the worker puts its own back into the units (omnirl_core.loop.ray_executor)
+        from omnirl_core.loop.ray_executor import HELD_KEY, reward_view
 
         held = dict(enumerate(samples))
         samples = [reward_view(s) for s in samples]
@@ -67,7 +67,7 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
         raise
     assert units, "training_units returned nothing to train on"
     if held:
-        from omnirl_core.runtime.ray_executor import restore_trajectories
+        from omnirl_core.loop.ray_executor import restore_trajectories
 
         assert restore_trajectories(units, held), "the units carry no held sample (unit.sample)"
     params = model.trainable_parameters()

@@ -53,7 +53,7 @@ PRELOAD = (
     "diffusers.models.transformers.transformer_qwenimage", "diffusers.models.autoencoders.autoencoder_kl_qwenimage",
     "diffusers.schedulers.scheduling_flow_match_euler_discrete",
     "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.tokenization_qwen2",
-    "omnirl_core.runtime.controller",
+    "omnirl_core.loop.controller",
 )
 
 

@@ -62,9 +62,9 @@ def test_plan_is_dance_sde_everywhere_with_shared_group_noise():
 
 
 def test_controller_gives_a_group_one_initial_noise(tmp_path: Path):
+    from omnirl_core.loop.controller import Controller
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
-    from omnirl_core.runtime.controller import Controller
 
     manager = PluginManager()
     manager.load_entry_points()

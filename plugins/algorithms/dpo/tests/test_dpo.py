@@ -18,7 +18,7 @@ from PIL import Image
 from omnirl_core.config import ModelSection, RunConfig
 from omnirl_core.errors import ConfigError
 from omnirl_core.interfaces import GenRequest
-from omnirl_core.runtime.training import MetricMean, prepare_all
+from omnirl_core.loop.training import MetricMean, prepare_all
 from omnirl_core.testing.forkserver import run_omnirl
 
 PROMPTS = ["a red square", "a blue square"]

@@ -17,7 +17,7 @@ from omnirl_core.config import RunConfig
 from omnirl_core.flow.policy_gradient import transition_stats
 from omnirl_core.flow.sampler import step_mean
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
-from omnirl_core.runtime.training import MetricMean, prepare_all
+from omnirl_core.loop.training import MetricMean, prepare_all
 
 SIGMAS = torch.tensor([1.0, 0.82, 0.61, 0.37, 0.0])  # starts at 1: flow_grpo's sigma_max substitution is exercised
 ETA = 0.7

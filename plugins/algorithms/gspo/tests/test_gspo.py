@@ -12,7 +12,7 @@ from omnirl_plugin_gspo.algorithm import GRPO, GSPO, GRPOConfig, GSPOConfig
 
 from omnirl_core.ar.policy_gradient import SequenceUnit, padded
 from omnirl_core.config import RunConfig
-from omnirl_core.runtime.training import MetricMean, prepare_all
+from omnirl_core.loop.training import MetricMean, prepare_all
 from omnirl_core.testing import run_train
 
 PLUGIN = Path(__file__).resolve().parents[1] / "omnirl_plugin_gspo"

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
-from omnirl_core.runtime.distributed import default_backend, ensure_process_group, shard_units
-from omnirl_core.runtime.training import (
+from omnirl_core.loop.distributed import default_backend, ensure_process_group, shard_units
+from omnirl_core.loop.training import (
     MetricMean,
     finite_update,
     minibatches,

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from omnirl_core.loop.controller import Controller
+from omnirl_core.loop.worker import Worker
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
-from omnirl_core.runtime.controller import Controller
-from omnirl_core.runtime.worker import Worker
 
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_wan22", "omnirl_plugin_flowgrpo",
            "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_fsdp2", "omnirl_plugin_color"]

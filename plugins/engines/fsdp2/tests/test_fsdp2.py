@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omnirl_core.runtime.distributed import free_port
+from omnirl_core.loop.distributed import free_port
 from omnirl_core.testing.forkserver import run_script
 
 JOB = Path(__file__).with_name("rank_job.py")

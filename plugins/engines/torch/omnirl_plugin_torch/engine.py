@@ -15,7 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import TrainSection
-from omnirl_core.runtime.training import (
+from omnirl_core.loop.training import (
     MetricMean,
     chunks,
     finite_update,

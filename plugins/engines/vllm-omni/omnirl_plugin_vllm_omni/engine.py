@@ -1,7 +1,7 @@
 """The trainer-side half of the vllm-omni rollout engine: no vllm import here.
 
 The engine runs vllm-omni in a server process of its own, in the environment ``omnirl env build vllm-omni``
-builds (``omnirl_core.runtime.envs``), and talks to it over 127.0.0.1 (``omnirl_core.runtime.rollout_server``:
+builds (``omnirl_core.serving.envs``), and talks to it over 127.0.0.1 (``omnirl_core.serving.rollout_server``:
 safetensors + JSON, no pickle). This side turns ``GenRequest``s into requests that carry the rollout plan
 (sampler kind per step, eta, the model's sigmas for the plan, seeds), and the server's results back into
 ``Sample``s with the trajectory, log-probs, the engine's prompt embeddings (what the trainer re-evaluates
@@ -27,8 +27,8 @@ from pydantic import Field
 
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import Conditioning, GenRequest, Sample
-from omnirl_core.runtime.rollout_server import ServedEngineOptions, ServedRolloutEngine
-from omnirl_core.runtime.weight_sync import merged_weights
+from omnirl_core.serving.rollout_server import ServedEngineOptions, ServedRolloutEngine
+from omnirl_core.weights import merged_weights
 
 SERVER_MODULE = "omnirl_plugin_vllm_omni.server"
 

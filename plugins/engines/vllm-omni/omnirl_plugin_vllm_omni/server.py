@@ -1,7 +1,7 @@
 """The vllm-omni rollout server: ``python -m omnirl_plugin_vllm_omni.server --model DIR [--dtype float32]
 [--max-num-seqs 32]``, run by the engine in the vllm-omni environment (see ``engine.py``).
 
-Calls (``omnirl_core.runtime.rollout_server``): ``generate`` (requests with their rollout plans -> per request
+Calls (``omnirl_core.serving.rollout_server``): ``generate`` (requests with their rollout plans -> per request
 the trajectory, sigmas, log-probs, prompt embeddings and image), ``load_lora`` (an adapter from tensors),
 ``load_weights`` (full denoiser weights, diffusers names), ``info``.
 """
@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Any
 
-from omnirl_core.runtime.rollout_server import pack, serve, server_args, unpack
+from omnirl_core.serving.rollout_server import pack, serve, server_args, unpack
 
 PIPELINE = "omnirl_plugin_vllm_omni.pipeline.OmnirlQwenImagePipeline"
 WORKER_EXTENSION = "omnirl_plugin_vllm_omni.worker.OmnirlWorkerExtension"

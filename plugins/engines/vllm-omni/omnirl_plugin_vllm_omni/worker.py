@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
 
-from omnirl_core.runtime.rollout_server import unpack
+from omnirl_core.serving.rollout_server import unpack
 
 
 def lora_module_names(state: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +76,7 @@ class OmnirlWorkerExtension(CustomPipelineWorkerExtension):
 
     def omnirl_weight(self, name: str) -> bytes:
         """One transformer weight as vllm-omni holds it (its own layout: fused to_qkv, to_out), for checks."""
-        from omnirl_core.runtime.rollout_server import pack
+        from omnirl_core.serving.rollout_server import pack
 
         params = {k.replace(".base_layer.", "."): v for k, v in
                   self.model_runner.pipeline.transformer.named_parameters()}

@@ -1,7 +1,7 @@
 """The trainer-side half of the vLLM rollout engine for autoregressive models: no vllm import here.
 
 vLLM runs in a server process of its own, in the environment ``omnirl env build vllm`` builds
-(``omnirl_core.runtime.envs``), reached over 127.0.0.1 (``omnirl_core.runtime.rollout_server``: safetensors +
+(``omnirl_core.serving.envs``), reached over 127.0.0.1 (``omnirl_core.serving.rollout_server``: safetensors +
 JSON, no pickle). This side tokenises each prompt with the model plugin (the same ``TokenPrompt`` the trainer
 re-scores), sends the token ids and the sampling distribution (``omnirl_core.ar.rollout``), and turns the
 sampled tokens and their log-probs into ``Sample``s. Each request is seeded with its own seed.
@@ -35,8 +35,8 @@ from omnirl_core.ar.rollout import (
 )
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest, Sample
-from omnirl_core.runtime.rollout_server import ServedEngineOptions, ServedRolloutEngine
-from omnirl_core.runtime.weight_sync import merged_weights
+from omnirl_core.serving.rollout_server import ServedEngineOptions, ServedRolloutEngine
+from omnirl_core.weights import merged_weights
 
 SERVER_MODULE = "omnirl_plugin_vllm.server"
 

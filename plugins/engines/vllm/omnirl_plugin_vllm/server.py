@@ -1,7 +1,7 @@
 """The vLLM rollout server: ``python -m omnirl_plugin_vllm.server --model DIR [--dtype float32] [--max-num-seqs 64]
 [--max-model-len 4096] [--seed 0] [--gpu-memory-utilization 0.5]``, run by the engine in the vLLM environment (see ``engine.py``).
 
-Calls (``omnirl_core.runtime.rollout_server``): ``generate`` (prompt token ids + sampling settings per request
+Calls (``omnirl_core.serving.rollout_server``): ``generate`` (prompt token ids + sampling settings per request
 -> the sampled tokens and the log-prob of each under the distribution it was drawn from), ``load_weights``
 (weights in the checkpoint's names, through vLLM's in-place reload), ``packed_modules`` (the model's fused
 layers), ``info``.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omnirl_core.runtime.rollout_server import pack, serve, server_args
+from omnirl_core.serving.rollout_server import pack, serve, server_args
 
 WORKER_EXTENSION = "omnirl_plugin_vllm.worker.OmnirlWorkerExtension"
 

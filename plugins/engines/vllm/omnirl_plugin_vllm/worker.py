@@ -4,7 +4,7 @@ serialises arguments."""
 
 from __future__ import annotations
 
-from omnirl_core.runtime.rollout_server import unpack
+from omnirl_core.serving.rollout_server import unpack
 
 
 class OmnirlWorkerExtension:

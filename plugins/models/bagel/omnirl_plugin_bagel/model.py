@@ -336,7 +336,7 @@ def load_components(directory: Path, dtype: torch.dtype, device: Any = "cpu") ->
 
 
 def create_model(section: ModelSection, options: BagelOptions | None, device: Any) -> BagelModel:
-    from omnirl_core.runtime.precision import concrete_dtype
+    from omnirl_core.precision import concrete_dtype
 
     options = options or BagelOptions()
     dtype = DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]

@@ -26,10 +26,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from omnirl_core.loop.distributed import shard_units
 from omnirl_core.plan.activations import DenoiserProbe, meta_cast
 from omnirl_core.plan.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype
 from omnirl_core.plan.sizing import checkpoint_numel, lora_numel
-from omnirl_core.runtime.distributed import shard_units
 from omnirl_plugin_bagel.config import VAE_SCALE_FACTOR, VAE_SHIFT_FACTOR, BagelConfig, LLMConfig
 from omnirl_plugin_bagel.full_size import LLM, MAX_LATENT_SIZE, VAE, full_size_components
 from omnirl_plugin_bagel.model import LORA_TARGETS, BagelOptions, is_generation_only

@@ -262,7 +262,7 @@ def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tup
 
 def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device: Any) -> Qwen3OmniThinker:
     options = options or Qwen3OmniOptions()
-    from omnirl_core.runtime.precision import concrete_dtype
+    from omnirl_core.precision import concrete_dtype
 
     dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
     path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed, options.tiny_head_dim), DEFAULT_HUB_ID)

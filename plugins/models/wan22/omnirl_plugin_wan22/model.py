@@ -36,7 +36,7 @@ from omnirl_core.flow.model import (
 )
 from omnirl_core.interfaces import Conditioning
 from omnirl_core.lora import adapters_disabled
-from omnirl_core.runtime.weight_sync import cpu_copy
+from omnirl_core.weights import cpu_copy
 
 HUB_IDS = {"a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
 HIGH, LOW = "transformer", "transformer_2"

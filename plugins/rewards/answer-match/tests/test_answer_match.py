@@ -10,8 +10,8 @@ import pytest
 from omnirl_plugin_answer_match.reward import AnswerMatch, AnswerMatchOptions, extract_boxed, extract_choice
 from omnirl_plugin_answer_match.tasks import CHOICE_QUESTIONS
 
-from omnirl_core.runtime.data import load_records
-from omnirl_core.runtime.rewards import RewardError, RewardFn, RewardSet
+from omnirl_core.data.sources import load_records
+from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -1,6 +1,6 @@
 """The ``remote`` reward: sends outputs and prompts to a server started with ``omnirl reward serve NAME``.
 
-Wire format: ``omnirl_core.rewards_kit.wire`` (JSON; images as 8-bit PNG rounded as every image reward here
+Wire format: ``omnirl_core.rewards.wire`` (JSON; images as 8-bit PNG rounded as every image reward here
 rounds them, so a served image reward gives the same scores as in process). A connection that fails before
 an answer is retried (``retries``); a server that stays away fails the call with an error that says how to
 restart it, and the run, stopped with its last checkpoint, resumes when rerun.
@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omnirl_core.errors import UsageError
-from omnirl_core.rewards_kit.wire import encode_output
+from omnirl_core.rewards.wire import encode_output
 
 TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@]*@")
@@ -152,7 +152,7 @@ class RemoteReward:
         its future at once."""
         with self._lock:
             if self._pool is None:  # daemon threads: a request still in flight never holds up the exit
-                from omnirl_core.runtime.rewards import RewardPool
+                from omnirl_core.rewards.dispatch import RewardPool
 
                 self._pool = RewardPool(self.options.concurrency, name="omnirl-remote-reward")
             return self._pool.submit(self, list(outputs), list(prompts), None if inputs is None else list(inputs))

@@ -22,9 +22,9 @@ import torch
 from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward, RemoteRewardError
 
 from omnirl_core.errors import UsageError
-from omnirl_core.rewards_kit.wire import encode_output
-from omnirl_core.runtime.distributed import free_port
-from omnirl_core.runtime.reward_server import TOKEN_ENV, RewardServer
+from omnirl_core.loop.distributed import free_port
+from omnirl_core.rewards.server import TOKEN_ENV, RewardServer
+from omnirl_core.rewards.wire import encode_output
 from omnirl_core.testing.forkserver import run_omnirl
 
 
@@ -120,7 +120,7 @@ def test_submit_returns_at_once_and_overlapping_calls_are_batched_by_the_server(
     import asyncio
 
     from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
-    from omnirl_core.runtime.rewards import RewardFn, RewardSet
+    from omnirl_core.rewards.dispatch import RewardFn, RewardSet
 
     gate = threading.Event()
 

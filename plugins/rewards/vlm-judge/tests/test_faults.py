@@ -13,7 +13,7 @@ from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
 from omnirl_plugin_vlm_judge.parse import JudgeError
 from omnirl_plugin_vlm_judge.reward import VLMJudge
 
-from omnirl_core.runtime.rewards import RewardError, RewardFn, RewardSet
+from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet
 
 KEY = "sk-omnirl-Secret-Key"
 IMAGE = np.full((3, 8, 8), 0.5, np.float32)

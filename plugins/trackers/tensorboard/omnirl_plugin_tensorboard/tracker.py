@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 
 class TensorBoardOptions(BaseModel):

@@ -4,7 +4,7 @@ import pytest
 from omnirl_plugin_tensorboard.tracker import TensorBoardOptions, TensorBoardTracker
 from PIL import Image
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 pytest.importorskip("tensorboard")
 

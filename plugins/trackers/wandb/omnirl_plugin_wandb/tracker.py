@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 RUN_ID_FILE = "wandb-run.json"
 

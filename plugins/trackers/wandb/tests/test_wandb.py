@@ -5,7 +5,7 @@ import pytest
 from omnirl_plugin_wandb.tracker import RUN_ID_FILE, WandbOptions, WandbTracker
 from PIL import Image
 
-from omnirl_core.runtime.trackers import StepEvent, TrackerRun
+from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 pytest.importorskip("wandb")
 

@@ -1,4 +1,4 @@
-"""``omnirl reward serve NAME``: any installed reward over HTTP (wire format: ``omnirl_core.rewards_kit.wire``).
+"""``omnirl reward serve NAME``: any installed reward over HTTP (wire format: ``omnirl_core.rewards.wire``).
 
 A reward model with conflicting dependencies or its own GPU then runs in its own environment, and a run
 reaches it with the ``remote`` reward. Requests that arrive together are scored in one call: a batcher thread
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from omnirl_core.rewards_kit.wire import WireError, decode_request
-from omnirl_core.runtime.rewards import check_scores
+from omnirl_core.rewards.dispatch import check_scores
+from omnirl_core.rewards.wire import WireError, decode_request
 
 log = logging.getLogger("omnirl.reward_server")
 TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"

@@ -9,7 +9,7 @@ Sources (``data.prompts``, ``data.test_prompts``):
   DIR                       a Hugging Face ``datasets`` directory written by ``save_to_disk`` (load_from_disk)
   hf:NAME                   a dataset loaded with ``datasets.load_dataset(NAME)`` (a hub id, or a local folder
                             of data files); with HF_HUB_OFFLINE=1 only the local cache is used
-  builtin:NAME              a prompt set shipped with omnirl (``omnirl_core/prompts/NAME.jsonl``)
+  builtin:NAME              a prompt set shipped with omnirl (``omnirl_core/data/builtin/NAME.jsonl``)
 
 A record may carry more than the prompt: media for models that read them (``image``, ``audio``, ``video``: a
 path or a list of paths, relative to the file's directory) and whatever a reward compares against (e.g.
@@ -82,12 +82,12 @@ def _missing_column(where: str, column: str, columns: list[str]) -> ConfigError:
 
 def builtin_sets() -> list[str]:
     """The names of the prompt sets shipped with omnirl (``builtin:NAME``)."""
-    folder = resources.files("omnirl_core") / "prompts"
+    folder = resources.files("omnirl_core.data") / "builtin"
     return sorted(p.name.removesuffix(".jsonl") for p in folder.iterdir() if p.name.endswith(".jsonl"))
 
 
 def _builtin_path(name: str) -> Path:
-    path = Path(str(resources.files("omnirl_core") / "prompts" / f"{name}.jsonl"))
+    path = Path(str(resources.files("omnirl_core.data") / "builtin" / f"{name}.jsonl"))
     if not path.is_file():
         known = builtin_sets()
         raise ConfigError(f"Unknown built-in prompt set 'builtin:{name}'.{did_you_mean(name, known)} "

@@ -47,9 +47,9 @@ from typing import Any
 
 from omnirl_core.errors import UsageError
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.loop.executors import build_rewards
+from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.runtime.executors import build_rewards
-from omnirl_core.runtime.worker import Worker, reference_placement
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -65,12 +65,12 @@ class WorkerActor:
     def address(self) -> tuple[str, int]:
         import ray
 
-        from omnirl_core.runtime.distributed import free_port
+        from omnirl_core.loop.distributed import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def init_group(self, backend: str, address: str, port: int) -> None:
-        from omnirl_core.runtime.distributed import init_process_group
+        from omnirl_core.loop.distributed import init_process_group
 
         init_process_group(backend, self.worker.rank, self.worker.world_size, address, port)
 
@@ -119,7 +119,7 @@ class WorkerActor:
         self.worker.set_old_logprob(mode)
 
     def load_trained_state(self, state: dict[str, Any]) -> int:
-        from omnirl_core.runtime.weight_sync import state_bytes
+        from omnirl_core.weights import state_bytes
 
         self.worker.load_trained_state(state)
         return state_bytes(state)
@@ -191,7 +191,7 @@ class RewardActor:
     """Scores samples with the run's rewards; returns the scores, never the samples."""
 
     def __init__(self, resolved: ResolvedRun):
-        from omnirl_core.runtime.threads import configure
+        from omnirl_core.host.threads import configure
 
         configure("fixed")  # torch's pools sized to the CPUs Ray assigned this actor, not to the machine
         self.rewards = build_rewards(resolved)
@@ -361,7 +361,7 @@ def group_runtime_env(spec: dict[str, Any] | None, group: str) -> dict[str, Any]
     if "environment" in spec:
         if "py_executable" in spec:
             raise UsageError(f"run.ray_runtime_envs.{group}: give 'environment' or 'py_executable', not both.")
-        from omnirl_core.runtime.envs import component_environment, environment_python
+        from omnirl_core.serving.envs import component_environment, environment_python
 
         out["py_executable"] = str(environment_python(component_environment(str(spec["environment"]))))
     if "py_executable" in out and not Path(str(out["py_executable"]).split()[0]).exists():
@@ -434,7 +434,7 @@ class RayExecutor:
 
         if ray.is_initialized():
             return
-        # the thread policy's wait setting (omnirl_core.runtime.threads) goes to the workers too; each actor sizes
+        # the thread policy's wait setting (omnirl_core.host.threads) goes to the workers too; each actor sizes
         # torch's pools to the CPUs Ray assigned it (threads.configure)
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
@@ -472,7 +472,7 @@ class RayExecutor:
     def setup(self) -> None:
         import ray
 
-        from omnirl_core.runtime.worker import build_algorithm
+        from omnirl_core.loop.worker import build_algorithm
 
         self._connect()
         r = self.resolved

@@ -17,9 +17,9 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.errors import PluginError, UsageError
 from omnirl_core.flow.model import cfg_gradient
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.precision import offload_frozen, upcast_adapters
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.runtime.precision import offload_frozen, upcast_adapters
-from omnirl_core.runtime.weight_sync import export_trained_state, import_trained_state
+from omnirl_core.weights import export_trained_state, import_trained_state
 
 ROLES = frozenset({"actor", "rollout", "reference"})
 
@@ -103,8 +103,8 @@ class Worker:
     def setup(self) -> None:
         import torch
 
-        from omnirl_core.runtime.quiet import show_repeats_once
-        from omnirl_core.runtime.threads import configure, governor
+        from omnirl_core.host.quiet import show_repeats_once
+        from omnirl_core.host.threads import configure, governor
 
         r = self.resolved
         cfg = r.config
@@ -161,7 +161,7 @@ class Worker:
         without grad in micro-batches; what the actor would compute in its own ``prepare``."""
         import torch
 
-        from omnirl_core.runtime.training import chunks
+        from omnirl_core.loop.training import chunks
 
         context = self.model.reference() if self.model.lora is not None else nullcontext()
         with torch.no_grad(), context:

@@ -1,7 +1,7 @@
 """Executors place the worker groups; the controller drives any of them through the same methods.
 
 ``inline``: one colocated worker (actor + rollout, one model: no weight copy) in the controller's
-process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``omnirl_core.runtime.ray_executor``,
+process, rewards on a pool of threads. ``ray``: worker groups as Ray actors (``omnirl_core.loop.ray_executor``,
 imported only when selected).
 
 The interface the controller uses:
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
-from omnirl_core.runtime.rewards import RewardFn, RewardSet, RewardStream
-from omnirl_core.runtime.worker import Worker, reference_placement
+from omnirl_core.rewards.dispatch import RewardFn, RewardSet, RewardStream
 
 
 def build_rewards(resolved: ResolvedRun) -> RewardSet:
@@ -134,7 +134,7 @@ class InlineExecutor:
             self.stream.close()
 
 
-EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.runtime.ray_executor:RayExecutor"}
+EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.loop.ray_executor:RayExecutor"}
 
 
 def make_executor(resolved: ResolvedRun) -> Any:

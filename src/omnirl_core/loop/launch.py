@@ -41,8 +41,8 @@ class Launch:
     def prepare(cls, manager: Any, resolved: ResolvedRun, dry_run: bool = False) -> Launch:
         """Everything that can fail before a run touches its directory: the trackers' options, the run
         directory's identity (a directory holding another run is refused), and the prompt data."""
-        from omnirl_core.runtime.data import NoPromptsError, open_run_data
-        from omnirl_core.runtime.trackers import resolve_trackers
+        from omnirl_core.data.sources import NoPromptsError, open_run_data
+        from omnirl_core.loop.trackers import resolve_trackers
 
         resolve_trackers(manager, resolved.config, resolved)  # unknown trackers and bad options fail here
         run_path = default_run_dir(resolved)

@@ -13,16 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.data.sources import PromptData, PromptSampler, open_run_data
 from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.loop.executors import make_executor
+from omnirl_core.loop.interrupts import StopSignals
+from omnirl_core.loop.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
+from omnirl_core.loop.worker import build_algorithm
 from omnirl_core.resolve import ResolvedRun
+from omnirl_core.rewards.dispatch import RewardHealth
 from omnirl_core.rl.correction import FallbackMonitor
 from omnirl_core.rundir.rundir import RunDir
-from omnirl_core.runtime.data import PromptData, PromptSampler, open_run_data
-from omnirl_core.runtime.executors import make_executor
-from omnirl_core.runtime.interrupts import StopSignals
-from omnirl_core.runtime.rewards import RewardHealth
-from omnirl_core.runtime.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
-from omnirl_core.runtime.worker import build_algorithm
 
 log = logging.getLogger("omnirl")
 
@@ -84,13 +84,13 @@ class Controller:
         return out
 
     def setup(self) -> None:
+        from omnirl_core.host.threads import configure
         from omnirl_core.rundir.checkpoint import (
             clean_partial,
             latest_checkpoint,
             load_checkpoint,
             metrics_copy,
         )
-        from omnirl_core.runtime.threads import configure
 
         self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
         clean_partial(self.run_dir.path)
@@ -178,10 +178,10 @@ class Controller:
         return every is not None and (step % every == 0 or step == self.cfg.run.steps)
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """The held-out evaluation after step ``step``'s update (``omnirl_core.runtime.evaluation``): the first
+        """The held-out evaluation after step ``step``'s update (``omnirl_core.loop.evaluation``): the first
         ``run.eval_prompts`` test prompts, ``run.eval_samples`` fixed seeds each, the ODE sampler; returns
         its ``eval/*`` metrics and writes ``eval/step-N/``."""
-        from omnirl_core.runtime.evaluation import eval_steps, evaluate, write_results
+        from omnirl_core.loop.evaluation import eval_steps, evaluate, write_results
 
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -214,7 +214,7 @@ class Controller:
     def run(self) -> dict[str, Any]:
         """Steps from the last checkpoint to ``run.steps``. A step is in a checkpoint whole or not at all:
         a signal before the update stops at once and saves the last finished step; a signal during the
-        update waits for the step to finish and be saved (see ``omnirl_core.runtime.interrupts``)."""
+        update waits for the step to finish and be saved (see ``omnirl_core.loop.interrupts``)."""
         cfg = self.cfg
         signals = StopSignals()
         try:

@@ -1,5 +1,5 @@
 """A rollout (or reward) server in a process of its own, usually in an environment of its own
-(``omnirl_core.runtime.envs``), and the client the trainer's side uses to talk to it.
+(``omnirl_core.serving.envs``), and the client the trainer's side uses to talk to it.
 
 Transport: HTTP on 127.0.0.1 with a per-process token. Every message, both ways, is one safetensors blob:
 the tensors, and the JSON part in the header's ``__metadata__`` under the key ``json``. No pickle crosses
@@ -312,7 +312,7 @@ class ServedRolloutEngine:
     fallback = ""
 
     def start_served(self, model: Any, options: ServedEngineOptions, device: Any, environment: str) -> None:
-        from omnirl_core.runtime.envs import component_environment, environment_python
+        from omnirl_core.serving.envs import component_environment, environment_python
 
         self.model = model
         self.options = options

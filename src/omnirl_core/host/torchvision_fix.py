@@ -1,4 +1,4 @@
-"""Post-install step of an engine's CPU environment (``python -m omnirl_core.runtime.torchvision_fix``, listed in
+"""Post-install step of an engine's CPU environment (``python -m omnirl_core.host.torchvision_fix``, listed in
 the environment.toml of vllm-omni and vllm).
 
 PyPI's torchvision wheels link against CUDA torch. Against vLLM's CPU torch its C++ ops do not load, and

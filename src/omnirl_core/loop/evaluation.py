@@ -206,14 +206,14 @@ class Evaluator:
     trained it) whose weights are the base model's until ``load`` puts a checkpoint's or a LoRA's in."""
 
     def __init__(self, resolved: Any, score: bool = True):
-        from omnirl_core.runtime.worker import Worker
+        from omnirl_core.loop.worker import Worker
 
         self.resolved = resolved
         self.worker = Worker(resolved, {"rollout"})
         self.worker.setup()
         self.rewards = None
         if score:
-            from omnirl_core.runtime.executors import build_rewards
+            from omnirl_core.loop.executors import build_rewards
 
             self.rewards = build_rewards(resolved)
         self.loaded: str = "base"
@@ -309,7 +309,7 @@ def checkpoint_step(path: Path | None) -> int:
 def eval_records(resolved: Any, prompts: str | None, split: str, max_prompts: int | None) -> tuple[list[dict], str]:
     """The prompts to evaluate on and a description. ``split``: ``test`` (the held-out split; all of
     ``prompts`` when that source has none), ``train`` or ``all``."""
-    from omnirl_core.runtime.data import open_run_data
+    from omnirl_core.data.sources import open_run_data
 
     cfg = resolved.config
     if prompts is not None:

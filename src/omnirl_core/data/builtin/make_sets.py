@@ -1,7 +1,7 @@
 """Writes the built-in prompt sets (``builtin:NAME``) beside this file. Deterministic: rerunning it gives the
 same files byte for byte (a test checks that the shipped files are what it writes).
 
-    python src/omnirl_core/prompts/make_sets.py
+    python src/omnirl_core/data/builtin/make_sets.py
 
 Each line is a JSON record: ``prompt``, ``split`` (``train`` or ``test``; about a fifth held out) and the
 fields a reward can check against. The words were written for omnirl; colour words are those the ``color``

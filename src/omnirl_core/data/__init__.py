@@ -1,0 +1,1 @@
+"""Prompt data: sources, the train / test split, and the prompt sets shipped with omnirl (``builtin/``)."""
