@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from omnirl_core.config import ModelSection
-from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.contracts import GenRequest, RolloutPlan
 
 MODES = ("step", "request", "single")
 DECODE_BATCH: int | str = "auto"

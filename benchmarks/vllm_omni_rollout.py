@@ -31,7 +31,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def workload(n: int, steps: int):
-    from omnirl_core.interfaces import GenRequest, RolloutPlan
+    from omnirl_core.contracts import GenRequest, RolloutPlan
 
     plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=0.7)
     prompts = ["a red square", "a blue circle on a green field", "cat", "a yellow star"]

@@ -2,8 +2,8 @@
 
 import torch
 
+from omnirl_core.contracts import Conditioning
 from omnirl_core.flow.embedding_cache import trim_padding
-from omnirl_core.interfaces import Conditioning
 
 
 def _cond(embeds: torch.Tensor, mask: torch.Tensor) -> Conditioning:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.loop.controller import Controller
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run

@@ -13,8 +13,8 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.ar.policy_gradient import SequenceUnit, TokenPolicyGradient
 from omnirl_core.ar.sampling import SamplingParams, sampling_logprobs
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import Sample
 from omnirl_core.flow.sampler import step_mean, transition_logprob
-from omnirl_core.interfaces import Sample
 from omnirl_core.loop.training import NonFiniteError
 
 

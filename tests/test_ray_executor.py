@@ -245,8 +245,8 @@ def test_a_remote_judge_on_ray_scores_each_wave_in_one_call_of_an_async_actor(ra
 def test_restoring_trajectories_keeps_the_controllers_fields_and_names_a_missing_one():
     import torch
 
+    from omnirl_core.contracts import GenRequest, Sample
     from omnirl_core.flow.policy_gradient import Transition
-    from omnirl_core.interfaces import GenRequest, Sample
     from omnirl_core.loop.ray_executor import HELD_KEY, restore_trajectories, reward_view, shed_outputs
 
     def sample(uid: int) -> Sample:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.config import load_recipe
-from omnirl_core.interfaces import RolloutPlan
+from omnirl_core.contracts import RolloutPlan
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 

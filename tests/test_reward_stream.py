@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet, RewardStream
 
 PLAN = RolloutPlan(step_kinds=("ode",), train_steps=())

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+from omnirl_core.contracts import GenRequest, Reward, RolloutPlan, Sample
 from omnirl_core.rewards.dispatch import RewardError, RewardFn, RewardSet
 
 PLAN = RolloutPlan(step_kinds=("ode",), train_steps=())
@@ -23,8 +23,10 @@ def _samples(n: int) -> list[Sample]:
                    latents=None, sigmas=None, logprobs=None, output=float(i)) for i in range(n)]
 
 
-class Submitted:
+class Submitted(Reward):
     """Scores on its own thread pool; ``submit`` returns at once (as the VLM judge does)."""
+
+    asynchronous = True
 
     def __init__(self, release: threading.Event | None = None, answer=None):
         self.pool = concurrent.futures.ThreadPoolExecutor(2)

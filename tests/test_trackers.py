@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from omnirl_core.contracts import Tracker
 from omnirl_core.loop.trackers import StepEvent, TrackerRun, TrackerSet, resolve_trackers
 
 from .conftest import run_cli
@@ -126,7 +127,7 @@ def test_a_run_logs_to_tensorboard_and_wandb_and_a_resume_shows_each_step_once(t
     assert len(list((runs[0] / "files" / "media" / "images").glob("samples_*.png"))) == 3
 
 
-class _Recorder:
+class _Recorder(Tracker):
     def __init__(self, options=None):
         self.events: list[int] = []
 

@@ -367,9 +367,8 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt) -> None:
         if launch.data_problem:
             _err(f"warning: {launch.data_problem}")
         typer.echo(yaml.safe_dump(launch.plan(), sort_keys=False))
-        from omnirl_cli.plan import dry_run_memory
-
-        dry_run_memory(resolved)  # the memory plan's table; exit 2 when it does not fit
+        if launch.memory is not None:  # checked in prepare, as the run checks it: exit 2 when it does not fit
+            typer.echo("memory_plan: |\n" + "\n".join("  " + line for line in launch.memory.table().splitlines()))
         return
     resuming = launch.claim(manager)
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {launch.run_path} on {resolved.device.name}")
@@ -613,6 +612,18 @@ def _saved_steps(run_path: Path) -> str:
     return f"latest checkpoint {latest.name}" if latest else "no checkpoint yet: a rerun starts over"
 
 
+def _exit(code: int) -> None:
+    """``sys.exit(code)``; but when a signal left a long native call computing on a helper thread
+    (``loop.interrupts.abandoned``), the process ends at once, output flushed, instead of in the interpreter's
+    shutdown, which would wait for it or tear down what it uses."""
+    interrupts = sys.modules.get("omnirl_core.loop.interrupts")
+    if interrupts is not None and interrupts.abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def run() -> None:
     """Console-script entry: maps errors to exit codes; tracebacks only with --debug."""
     try:
@@ -620,15 +631,15 @@ def run() -> None:
         if code == 130:  # typer's answer to a KeyboardInterrupt outside a run
             _err("omnirl: interrupted")
         if isinstance(code, int) and code:
-            sys.exit(code)
+            _exit(code)
     except OmnirlError as err:
         if STATE["debug"]:
             raise
         _err(f"Error: {err.render()}")
-        sys.exit(err.exit_code)
+        _exit(err.exit_code)
     except KeyboardInterrupt as exc:
         _err("omnirl: interrupted")
-        sys.exit(getattr(exc, "exit_code", 130))
+        _exit(getattr(exc, "exit_code", 130))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except Exception as exc:

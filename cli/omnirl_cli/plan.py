@@ -1,6 +1,7 @@
-"""``omnirl plan``: the memory a resolved run needs per device and worker group, from the full-size architecture
-built on the ``meta`` device (no weights, no download, no accelerator), against the device's memory.
-Exit 2 with the numbers and the changes that would fit when it does not fit. See ``omnirl_core.plan.planner``."""
+"""``omnirl plan``: the memory a resolved run needs per device and worker group, from the architecture the run loads
+(the released model, or a preset's when the model's plugin describes it) built on the ``meta`` device (no weights, no
+download, no accelerator), against the device's memory. Exit 2 with the numbers and the changes that would fit when
+it does not fit (or the changes tried, when none does). See ``omnirl_core.plan.planner``."""
 
 from __future__ import annotations
 
@@ -9,41 +10,27 @@ import json
 import typer
 
 
-def device_memory_bytes(text: str | None, resolved) -> int | None:
-    """``--device-memory`` if given; else the memory of this machine's first accelerator of the run's device type,
-    when there is one; else None (the plan is shown without a verdict)."""
-    from omnirl_core.plan.planner import parse_bytes
+def device_type(manager, resolved) -> str | None:
+    """The torch device type of the run's ``run.device`` (``auto``: the best one here), None when it is not here."""
+    from omnirl_core.errors import OmnirlError
+    from omnirl_core.resolve import resolve_device
 
-    if text:
-        return parse_bytes(text)
-    if resolved.config.run.device in ("cuda", "auto"):
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.get_device_properties(0).total_memory
-        except Exception:  # noqa: BLE001 - a failed probe only means no verdict
-            return None
-    return None
+    try:
+        return resolve_device(manager, resolved.config.run.device).torch_device
+    except OmnirlError:
+        return None
 
 
-def memory_plan(resolved, device_memory: str | None):
-    from omnirl_core.plan.planner import plan_memory
+def memory_plan(manager, resolved, device_memory: str | None):
+    """The plan against ``--device-memory`` if given, else against the memory of the device the run would use
+    here (the CPU: the RAM available now; CUDA: the first GPU's), else without a verdict."""
+    from omnirl_core.plan.memory import device_memory as probe
+    from omnirl_core.plan.memory import with_device_dtype
+    from omnirl_core.plan.planner import parse_bytes, plan_memory
 
-    return plan_memory(resolved, device_memory_bytes(device_memory, resolved))
-
-
-def dry_run_memory(resolved) -> None:
-    """``omnirl train --dry-run``: the memory plan under the resolved config (released checkpoints only: a preset
-    is not the full-size model), against this machine's accelerator when there is one; refused when it does not
-    fit."""
-    from omnirl_core.plan.planner import check_fits
-
-    if resolved.config.model.preset is not None or not getattr(resolved.model, "sizing", None):
-        return
-    plan = memory_plan(resolved, None)
-    typer.echo("memory_plan: |\n" + "\n".join("  " + line for line in plan.table().splitlines()))
-    check_fits(plan, f"The run ({resolved.model.name}, {resolved.algorithm.name})")
+    kind = device_type(manager, resolved)
+    memory, source = (parse_bytes(device_memory), "") if device_memory else probe(kind)
+    return plan_memory(with_device_dtype(resolved, kind), memory, device_type=kind, memory_source=source)
 
 
 def register(app: typer.Typer) -> None:
@@ -57,12 +44,12 @@ def register(app: typer.Typer) -> None:
     def plan_cmd(
         flags: RunFlags,
         device_memory: str | None = typer.Option(
-            None, "--device-memory", help="Memory of one device, e.g. 80GiB or 141GB; default: the first "
-            "accelerator's here, if any."),
+            None, "--device-memory", help="Memory of one device, e.g. 80GiB or 141GB; default: that of the "
+            "device the run would use here (CUDA: the first GPU's; the CPU: the RAM available now)."),
         fmt: str = typer.Option("table", "--format", help="table or json."),
     ) -> None:
         """Memory per device and worker group for a run (weights, adapters, gradients, optimizer, copies,
-        activations), from the full-size architecture on the meta device; exit 2 when it does not fit."""
+        activations), from the architecture the run loads, on the meta device; exit 2 when it does not fit."""
         from omnirl_core.errors import UsageError
         from omnirl_core.plan.planner import check_fits
         from omnirl_core.resolve import resolve_run
@@ -71,6 +58,6 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
         manager = _manager()
         resolved = resolve_run(manager, flags.layers(manager), probe_device=False)
-        plan = memory_plan(resolved, device_memory)
+        plan = memory_plan(manager, resolved, device_memory)
         typer.echo(json.dumps(plan.as_dict(), indent=2) if fmt == "json" else plan.table())
         check_fits(plan, f"The run ({resolved.model.name}, {resolved.algorithm.name})")

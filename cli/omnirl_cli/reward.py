@@ -20,16 +20,25 @@ def serve(
     max_batch: int = typer.Option(32, "--max-batch", min=1, help="Most samples scored in one call."),
     max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0, help="How long the first request of a "
                                       "batch waits for others to join it."),
+    max_body_mb: float = typer.Option(1024.0, "--max-body-mb", min=0.001, help="Largest request body, and the "
+                                      "most request bytes held at once (requests past it wait), in MiB. 1024 "
+                                      "fits 64 float32 images of 1024x1024."),
+    idle_timeout_s: float = typer.Option(60.0, "--idle-timeout-s", min=0.001, help="A connection that sends "
+                                         "nothing for this long is closed."),
+    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Connections served at once; one "
+                                        "more is answered 503."),
 ) -> None:
-    """Serve reward NAME: POST /score (JSON, PNG images / PNG video frames), GET /health. Concurrent requests
-    are scored in batches. Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token."""
+    """Serve reward NAME: POST /score (a safetensors body: the outputs' exact tensors), GET /health. The reward
+    is called as in process (the same tensors, each request's batch; concurrent requests share a call only for
+    a batch-invariant reward). Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token."""
     from omnirl_core.config import parse_set
     from omnirl_core.rewards.server import RewardServer
     from omnirl_core.rewards_kit import build_reward
 
     reward, spec = build_reward(name, parse_set(overrides or []))
     server = RewardServer(reward, spec.name, spec.modalities, host=host, port=port, max_batch=max_batch,
-                          max_wait_ms=max_wait_ms)
+                          max_wait_ms=max_wait_ms, max_body_bytes=int(max_body_mb * (1 << 20)),
+                          idle_timeout_s=idle_timeout_s, max_connections=max_connections)
 
     def stop(signum, frame):
         raise KeyboardInterrupt

@@ -20,10 +20,16 @@ instance, set by the runtime; the config object keeps what the user asked for.
 
 from __future__ import annotations
 
+import json
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 OLD_LOGPROB_MODES = ("recompute", "bypass")
+ALGORITHM_STATE = "algorithm.json"
+ALGORITHM_TENSORS = "algorithm.safetensors"
+EVAL_WEIGHTS = "eval-weights"
+"""A checkpoint's folder of the weights the algorithm evaluates (``has_eval_policy``): what `omnirl eval` loads."""
 
 
 class Algorithm:
@@ -100,6 +106,44 @@ class Algorithm:
         """JSON state saved with each checkpoint (``algorithm.json``)."""
         return {}
 
+    def save_checkpoint(self, directory: Path, model: Any, engine: Any, rank: int) -> list[str]:
+        """The algorithm's part of a checkpoint (every train rank calls it; the files written are returned):
+        ``state()`` and ``state_tensors()`` (rank 0), and with ``has_eval_policy`` the weights it evaluates in
+        ``eval-weights/`` (gathered by ``engine.trained_state``: a collective for a sharded engine)."""
+        from omnirl_core.weights import export_trained_state
+
+        files: list[str] = []
+        if self.has_eval_policy:
+            with self.eval_policy(model):
+                full = export_trained_state(model, engine)
+                written = model.save_trained(directory / EVAL_WEIGHTS, state=full) if rank == 0 else []
+            files += [f"{EVAL_WEIGHTS}/{name}" for name in written]
+        if rank != 0:
+            return files
+        state = self.state()
+        if state:
+            (directory / ALGORITHM_STATE).write_text(json.dumps(state, indent=2))
+            files.append(ALGORITHM_STATE)
+        tensors = self.state_tensors()
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                      str(directory / ALGORITHM_TENSORS))
+            files.append(ALGORITHM_TENSORS)
+        return files
+
+    def load_checkpoint(self, directory: Path, model: Any) -> None:
+        """Load what ``save_checkpoint`` wrote (the checkpoint's checksums verified)."""
+        from omnirl_core.rundir.checkpoint import read_json
+
+        if (directory / ALGORITHM_STATE).is_file():
+            self.load_state(read_json(directory / ALGORITHM_STATE))
+        if (directory / ALGORITHM_TENSORS).is_file():
+            from safetensors.torch import load_file
+
+            self.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore ``state()``."""
 
@@ -126,5 +170,6 @@ class Algorithm:
 
 
 def lacks_reference(algorithm: Algorithm, units: list[Any]) -> bool:
-    """Whether any unit still lacks the reference outputs (``reference_fields``)."""
-    return any(getattr(u, name, None) is None for u in units for name in algorithm.reference_fields)
+    """Whether any unit still lacks the reference outputs (``reference_fields``: fields every unit declares, None
+    until set)."""
+    return any(getattr(u, name) is None for u in units for name in algorithm.reference_fields)

@@ -32,11 +32,11 @@ TINY_IMAGE_DEFAULTS: dict[str, Any] = {
                 "group_size": 8},
     "train": {"lr": 1e-2, "minibatches": 2, "micro_batch_size": 40},
     "model": {"lora": {"rank": 16, "alpha": 16}},
-    "rewards": [{"name": "color"}],
     "run": {"steps": 200, "save_every": 50, "sample_every": 20},
 }
 """The values the first-party image models' ``tiny`` presets suggest (``ModelSpec.preset_defaults["tiny"]``):
-32x32 images, 6 steps, 4 prompts x 8 samples, LoRA r16 at lr 1e-2, the colour reward, 200 steps. A model
+32x32 images, 6 steps, 4 prompts x 8 samples, LoRA r16 at lr 1e-2, 200 steps (each model's manifest names the
+reward its tiny preset learns, the colour reward for the first-party image models). A model
 with other needs merges its own on top (in its manifest, ``extends = "omnirl_core.presets:TINY_IMAGE_DEFAULTS"``
 and its own keys beside; in Python, ``tiny_defaults``)."""
 

@@ -71,6 +71,9 @@ class ModelLimits:
     """Height and width must be multiples of it (VAE downsampling x transformer patch)."""
     frame_multiple: int | None = None
     """Videos: ``num_frames`` must be ``k * frame_multiple + 1``; None: an image model (num_frames unset)."""
+    max_size: int | None = None
+    """The largest height or width in pixels the network can take (its position embedding's range, e.g. a RoPE
+    table of fixed length); None: no cap declared."""
 
 
 @dataclass
@@ -138,9 +141,16 @@ class EngineSpec(ComponentSpec):
     kind: ClassVar[str] = "engine"
     roles: frozenset[str] = frozenset()
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    shards: bool = False
+    """A train engine that splits parameters, gradients and optimizer state over its ranks (``omnirl plan``
+    divides them by ``run.train_workers``); False: every rank holds everything."""
+    batch_option: str = ""
+    """A rollout engine's option that caps how many samples one model call batches (``omnirl plan`` suggests
+    lowering it when a rollout does not fit); empty: the engine has none."""
 
     def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "roles": sorted(self.roles), "devices": sorted(self.devices)}
+        return {**super().summary(), "roles": sorted(self.roles), "devices": sorted(self.devices),
+                "shards": self.shards}
 
 
 @dataclass

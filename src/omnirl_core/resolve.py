@@ -170,6 +170,9 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
         if entry.weight == 0:
             log.warning("reward '%s' has weight 0: it is scored and logged but does not train the model",
                         entry.name)
+        elif entry.weight < 0:
+            log.warning("reward '%s' has a negative weight (%g): the model is trained to lower it (minimised); "
+                        "give a positive weight to raise it", entry.name, entry.weight)
     if len(config.rewards) > 1 and sum(e.weight for e in config.rewards) == 0:
         log.warning("the reward weights sum to 0 (%s): rewards that move together cancel out",
                     ", ".join(f"{e.name}={e.weight:g}" for e in config.rewards))
@@ -211,10 +214,6 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
         from omnirl_core.precision import concrete_dtype
 
         config.model.dtype = concrete_dtype("auto", device.torch_device)  # type: ignore[assignment]
-    if device is not None and device.torch_device == "cpu":
-        from omnirl_core.plan.memory import check_rollout_memory
-
-        check_rollout_memory(config)
     if device is not None:
         for spec in (rollout_spec, train_spec):
             if device.torch_device not in spec.devices:
@@ -240,6 +239,10 @@ def check_model_limits(config: RunConfig, spec: ModelSpec, options: BaseModel | 
     m = limits.size_multiple
     if r.height % m or r.width % m:
         problems.append(f"rollout.height/width = {r.height}x{r.width}, but {spec.name} needs multiples of {m}.")
+    if limits.max_size is not None and max(r.height, r.width) > limits.max_size:
+        problems.append(f"rollout.height/width = {r.height}x{r.width}, but {spec.name}"
+                        f"{f' (preset {config.model.preset})' if config.model.preset else ''} takes at most "
+                        f"{limits.max_size} pixels a side (the range of its position embedding).")
     f = limits.frame_multiple
     if f is None and r.num_frames not in (None, 1):
         problems.append(f"rollout.num_frames = {r.num_frames}, but {spec.name} generates images: leave it unset.")

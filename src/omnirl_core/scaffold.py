@@ -86,17 +86,21 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward
+
 
 class {cls}Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
     scale: float = Field(1.0, description="Multiplies the score.")
 
 
-class {cls}:
+class {cls}(Reward):
+    batch_invariant = True  # each image scored on its own
+
     def __init__(self, options: {cls}Options | None = None):
         self.options = options or {cls}Options()
 
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: Any) -> list[float]:
         return [self.options.scale * float(image.float().mean()) for image in outputs]
 ''',
         "test": '''import torch
@@ -139,7 +143,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import RolloutPlan
+from omnirl_core.contracts import RolloutPlan
 
 
 class {cls}Options(BaseModel):
@@ -203,6 +207,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Tracker
 from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 
@@ -211,7 +216,7 @@ class {cls}Options(BaseModel):
     path: str | None = Field(None, description="CSV file; None: RUN_DIR/{name}.csv.")
 
 
-class {cls}:
+class {cls}(Tracker):
     def __init__(self, options: {cls}Options | None = None):
         self.options = options or {cls}Options()
         self.path: Path | None = None

@@ -2,13 +2,16 @@
 
 What moves: only the LoRA weights when a LoRA adapter is trained (the frozen base is already on both
 sides), the full denoiser state otherwise, and nothing when actor and rollout share one model
-(colocated). A sharded train engine gathers full tensors first (``full_trained_state``; every rank
+(colocated). A sharded train engine gathers full tensors first (``TrainEngine.trained_state``; every rank
 takes part, rank 0 sends).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnirl_core.contracts import PolicyModel, TrainEngine
 
 
 def cpu_copy(tensor: Any) -> Any:
@@ -20,14 +23,13 @@ def cpu_copy(tensor: Any) -> Any:
     return out.contiguous()
 
 
-def export_trained_state(model: Any, trainer: Any = None) -> dict[str, Any]:
-    """The trained weights as plain CPU tensors: LoRA only (peft names) when training LoRA, else full."""
-    if trainer is not None and hasattr(trainer, "full_trained_state"):
-        return trainer.full_trained_state()
-    return model.trained_state_dict()
+def export_trained_state(model: PolicyModel, trainer: TrainEngine | None = None) -> dict[str, Any]:
+    """The trained weights as plain CPU tensors: LoRA only (peft names) when training LoRA, else full. With a
+    train engine, its ``trained_state`` (a sharded engine gathers: a collective)."""
+    return trainer.trained_state() if trainer is not None else model.trained_state_dict()
 
 
-def import_trained_state(model: Any, state: dict[str, Any]) -> None:
+def import_trained_state(model: PolicyModel, state: dict[str, Any]) -> None:
     model.load_trained_state_dict(state)
 
 

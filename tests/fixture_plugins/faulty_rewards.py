@@ -12,6 +12,7 @@ import threading
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core import hookimpl
+from omnirl_core.contracts import Reward
 from omnirl_core.registry import RewardSpec
 
 
@@ -22,7 +23,7 @@ class FaultyOptions(BaseModel):
     delay_s: float = Field(0.2, ge=0, description="Seconds a 'slow' call takes.")
 
 
-class Faulty:
+class Faulty(Reward):
     def __init__(self, options: FaultyOptions | None = None):
         self.options = options or FaultyOptions()
         self.calls = 0

@@ -1,10 +1,11 @@
 """A test plugin: trackers that fail at start ('broken-start') or at every step ('broken-log')."""
 
 from omnirl_core import hookimpl
+from omnirl_core.contracts import Tracker
 from omnirl_core.registry import TrackerSpec
 
 
-class BrokenLog:
+class BrokenLog(Tracker):
     def __init__(self, options=None):
         self.closed = False
 

@@ -35,7 +35,7 @@ def main() -> None:
     from omnirl_plugin_vllm_omni.engine import VllmOmniRolloutEngine, VllmOmniRolloutOptions
 
     from omnirl_core.config import LoraConfig, ModelSection
-    from omnirl_core.interfaces import GenRequest, RolloutPlan
+    from omnirl_core.contracts import GenRequest, RolloutPlan
     from omnirl_core.plugins import get_plugin_manager
 
     # the other components through the registry (a plugin imports no other plugin)

@@ -19,7 +19,8 @@ import torch
 
 from omnirl_core.ar.sampling import SamplingParams, TokenPrompt, pad_sequences, sampling_logprobs
 from omnirl_core.config import LoraConfig
-from omnirl_core.interfaces import GenRequest
+from omnirl_core.contracts import GenRequest
+from omnirl_core.contracts.model import TokenModel
 from omnirl_core.lora import adapters_disabled
 from omnirl_core.weights import cpu_copy
 
@@ -28,7 +29,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS_DIR = "model"
 
 
-class CausalLMPolicy:
+class CausalLMPolicy(TokenModel):
     """Base class of AR model plugins around a transformers causal LM (``self.module``, with ``generate``).
 
     Subclasses set ``capabilities`` and ``default_lora_targets`` (a regex over module names) and implement
@@ -55,6 +56,9 @@ class CausalLMPolicy:
     def media_inputs(self, media: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Model keyword arguments for the media of a batch of rows (row order kept)."""
         raise NotImplementedError
+
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        return {"module": self.module}
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Modules never trained, even in full fine-tuning (e.g. the vision and audio encoders)."""
@@ -95,23 +99,33 @@ class CausalLMPolicy:
                        params: Sequence[SamplingParams]) -> list[torch.Tensor]:
         """Log-probs of the given completion tokens under the current weights and each row's sampling
         distribution (with grad when grad is enabled); one (T_i,) fp32 tensor per row."""
+        return self.token_logprobs_under(prompts, completions, [params])[0]
+
+    def token_logprobs_under(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
+                             distributions: Sequence[Sequence[SamplingParams]]) -> list[list[torch.Tensor]]:
+        """``token_logprobs`` under several distributions from one forward pass: ``distributions[k]`` holds each
+        row's ``SamplingParams``; returns one list of (T_i,) fp32 tensors per entry (e.g. the sampling
+        distribution for a ratio and the same one without its top-k / top-p cut for a KL term)."""
         seqs = [torch.cat([p.input_ids, c.to(p.input_ids.device)]) for p, c in zip(prompts, completions)]
         hidden = self.hidden_states(self.model_inputs(seqs, [p.media for p in prompts], side="right"))
-        rows, cols, row_params = [], [], []
+        rows, cols = [], []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             start = len(p.input_ids) - 1  # the state before token t predicts token t
             rows += [i] * len(c)
             cols += list(range(start, start + len(c)))
-            row_params += [params[i]] * len(c)
         h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]
         logits = self.module.get_output_embeddings()(h)
         tokens = torch.cat([c for c in completions]).to(logits.device)
-        out = torch.empty(len(tokens), dtype=torch.float32, device=logits.device)
-        for sp in dict.fromkeys(row_params):  # one pass per distinct sampling distribution (usually one)
-            idx = torch.tensor([j for j, q in enumerate(row_params) if q == sp], device=logits.device)
-            logp = sampling_logprobs(logits.index_select(0, idx), sp)
-            out = out.index_put((idx,), logp.gather(-1, tokens[idx][:, None])[:, 0])
-        return list(out.split([len(c) for c in completions]))
+        results = []
+        for params in distributions:
+            row_params = [params[i] for i in rows]
+            out = torch.empty(len(tokens), dtype=torch.float32, device=logits.device)
+            for sp in dict.fromkeys(row_params):  # one pass per distinct sampling distribution (usually one)
+                idx = torch.tensor([j for j, q in enumerate(row_params) if q == sp], device=logits.device)
+                logp = sampling_logprobs(logits.index_select(0, idx), sp)
+                out = out.index_put((idx,), logp.gather(-1, tokens[idx][:, None])[:, 0])
+            results.append(list(out.split([len(c) for c in completions])))
+        return results
 
     # -- training setup ------------------------------------------------------------------------
     def lora_target_names(self, patterns: Sequence[str] | None) -> list[str]:

@@ -7,16 +7,15 @@ One training unit is one sampled sequence. Log-probs are padded to (N, T) with a
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnirl_core.algorithm import Algorithm
-from omnirl_core.ar.sampling import completion_tokens
+from omnirl_core.ar.sampling import completion_tokens, untruncated
 from omnirl_core.config import RunConfig
-from omnirl_core.interfaces import RolloutPlan, Sample
+from omnirl_core.contracts import RolloutPlan, Sample, TrainingUnit
 from omnirl_core.rl.advantage import assign_group_advantages
 from omnirl_core.rl.correction import rs_mask, sequence_diagnostics
 
@@ -25,7 +24,7 @@ AR_PLAN = RolloutPlan(step_kinds=(), train_steps=())
 
 
 @dataclass
-class SequenceUnit:
+class SequenceUnit(TrainingUnit):
     """One sampled completion and the log-probs the update compares it with."""
 
     sample: Sample
@@ -92,15 +91,23 @@ class TokenPolicyGradient(Algorithm):
     def training_units(self, samples: list[Sample]) -> list[SequenceUnit]:
         return [SequenceUnit(s) for s in samples]
 
-    def _logprobs(self, model: Any, units: list[SequenceUnit], untruncated: bool = False) -> list[torch.Tensor]:
-        """Per-token log-probs under the sampling distribution, or (``untruncated``) without its top-k / top-p
+    def _logprobs(self, model: Any, units: list[SequenceUnit], uncut: bool = False) -> list[torch.Tensor]:
+        """Per-token log-probs under the sampling distribution, or (``uncut``) without its top-k / top-p
         cut: a sampled token may lie outside the reference's top-k, where the cut distribution gives -inf."""
+        return self._scored(model, units, (uncut,))[0]
+
+    def _scored(self, model: Any, units: list[SequenceUnit], cuts: tuple[bool, ...]) -> list[list[torch.Tensor]]:
+        """Per-token log-probs under the sampling distribution (False) and / or uncut (True), one list per entry
+        of ``cuts``, from one forward pass where the model offers ``token_logprobs_under`` (the AR contract
+        requires only ``token_logprobs``, which then runs once per entry)."""
         samples = [u.sample for u in units]
+        prompts = [s.extras["prompt"] for s in samples]
+        completions = [completion_tokens(s) for s in samples]
         params = [s.extras["sampling"] for s in samples]
-        if untruncated:
-            params = [dataclasses.replace(p, top_k=0, top_p=1.0) if dataclasses.is_dataclass(p) else p for p in params]
-        return model.token_logprobs([s.extras["prompt"] for s in samples], [completion_tokens(s) for s in samples],
-                                    params)
+        distributions = [[untruncated(p) for p in params] if uncut else params for uncut in cuts]
+        if len(distributions) > 1 and hasattr(model, "token_logprobs_under"):
+            return model.token_logprobs_under(prompts, completions, distributions)
+        return [model.token_logprobs(prompts, completions, d) for d in distributions]
 
     def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
         """Without grad, before the update: old log-probs (recompute mode)."""
@@ -120,7 +127,7 @@ class TokenPolicyGradient(Algorithm):
     def reference_prepare(self, model: Any, units: list[SequenceUnit]) -> None:
         """Without grad, ``model`` being the reference policy: its per-token log-probs over its whole support
         (temperature and allowed tokens applied, no top-k / top-p), so the KL term stays finite."""
-        for u, lp in zip(units, self._logprobs(model, units, untruncated=True)):
+        for u, lp in zip(units, self._logprobs(model, units, uncut=True)):
             u.ref_logprobs = lp.detach()
 
     def surrogate(self, logp: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
@@ -130,7 +137,9 @@ class TokenPolicyGradient(Algorithm):
 
     def loss(self, model: Any, units: list[SequenceUnit], first_update: bool = False):
         device = model.device
-        logp, mask = padded(self._logprobs(model, units), device)
+        # ratio: the sampling distribution, as rolled out; KL: both sides uncut (a token can leave top-k/p)
+        scored = self._scored(model, units, (False, True) if self.uses_reference else (False,))
+        logp, mask = padded(scored[0], device)
         rollout, _ = padded([u.rollout_logprobs for u in units], device)
         old = padded([u.old_logprobs for u in units], device)[0] if self.recompute else rollout
         adv = torch.tensor([u.sample.advantage for u in units], device=device)
@@ -149,7 +158,7 @@ class TokenPolicyGradient(Algorithm):
         if self.uses_reference:
             # k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1
             ref, _ = padded([u.ref_logprobs for u in units], device)
-            diff = ref - logp
+            diff = ref - padded(scored[1], device)[0]
             kl = masked_mean(torch.exp(diff) - diff - 1.0, mask).mean()
             loss = loss + self.options.beta * kl
             metrics["kl"] = float(kl.detach())

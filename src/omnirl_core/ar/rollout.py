@@ -15,10 +15,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
+from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest, Sample
-
-AR_MODEL_METHODS = ("encode_prompt", "model_inputs", "token_logprobs", "module")
 
 
 class TokenSamplingOptions(BaseModel):
@@ -39,13 +37,16 @@ class TokenSamplingOptions(BaseModel):
 
 
 def require_ar_model(model: Any, engine: str) -> None:
-    for needed in AR_MODEL_METHODS:
-        if not hasattr(model, needed):
-            raise UsageError(
-                f"The '{engine}' rollout engine drives autoregressive models; {type(model).__name__} has no "
-                f"'{needed}' (it is not an ar-text model).",
-                hint="Use the rollout engine the model suggests (e.g. rollout.engine=diffusers for flow models).",
-            )
+    """The rollout engines of token models drive a transformers causal LM (``CausalLMPolicy``: ``module``,
+    ``model_inputs``, ``encode_prompt``, ``token_logprobs``)."""
+    from omnirl_core.ar.model import CausalLMPolicy
+
+    if not isinstance(model, CausalLMPolicy):
+        raise UsageError(
+            f"The '{engine}' rollout engine drives autoregressive models; {type(model).__name__} is not an "
+            "omnirl_core.ar.model.CausalLMPolicy (it is not an ar-text model).",
+            hint="Use the rollout engine the model suggests (e.g. rollout.engine=diffusers for flow models).",
+        )
 
 
 def sampling_params(model: Any, options: TokenSamplingOptions) -> SamplingParams:

@@ -10,7 +10,7 @@ the same weights both give the same numbers up to float error, whatever processo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def untruncated(params: Any) -> Any:
+    """The sampling distribution before its top-k / top-p cut (allowed tokens and temperature kept): the support
+    a KL term compares policies on, where a token sampled earlier never has probability 0. Anything that is not
+    ``SamplingParams`` (a test's stand-in) passes through."""
+    return replace(params, top_k=0, top_p=1.0) if isinstance(params, SamplingParams) else params
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omnirl_core.interfaces import Conditioning
+from omnirl_core.contracts import Conditioning, FlowModel
 
 
-def text_encoder_version(model: Any) -> int:
-    """The model's text-encoder version counter (0 for a model that never changes its text encoder)."""
-    return int(getattr(model, "text_encoder_version", 0))
+def text_encoder_version(model: FlowModel) -> int:
+    """The model's text-encoder version counter (``PolicyModel.text_encoder_version``: 0 for a model that never
+    changes its text encoder)."""
+    return int(model.text_encoder_version)
 
 
 def trim_padding(cond: Conditioning) -> Conditioning:

@@ -15,14 +15,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import LoraConfig
+from omnirl_core.contracts.model import FlowModel
 from omnirl_core.lora import adapters_disabled, lora_layers
 from omnirl_core.weights import cpu_copy
 
 
-class DenoiserModel:
+class DenoiserModel(FlowModel):
     """Base class: ``self.denoiser`` is the trained network, ``self.pipeline`` the diffusers pipeline."""
 
-    capabilities: frozenset[str] = frozenset()
     default_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, pipeline: Any, denoiser: torch.nn.Module, device: torch.device, dtype: torch.dtype):
@@ -54,18 +54,10 @@ class DenoiserModel:
                 self._reference_copy = copy.deepcopy(self.denoiser).requires_grad_(False).eval()
         self.denoiser.train()
 
-    lockstep = False
-    """Set by a sharded train engine when the model trains several modules: every call must then run each
-    trained module (a rank with no input for one still joins its collectives), as the ranks must agree."""
-
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         """The modules training updates, by name (a sharded engine wraps each); one denoiser by default, a
         model with several (Wan2.2 A14B's two experts) names them all."""
         return {"denoiser": self.denoiser}
-
-    def frozen_modules(self) -> list[torch.nn.Module]:
-        """Modules never trained (text encoders, VAE)."""
-        return []
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.denoiser.parameters() if p.requires_grad]
@@ -274,7 +266,7 @@ def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float,
         raise ValueError("CFG needs the unconditional conditioning")
     both = cfg_grad_both()
     if forward_pair is not None and (both or not torch.is_grad_enabled()):
-        from omnirl_core.interfaces import Conditioning
+        from omnirl_core.contracts import Conditioning
 
         v, v_u = forward_pair(Conditioning.cat([cond, uncond])).chunk(2)
     elif both:
@@ -336,6 +328,7 @@ class DiffusersFlowModel(DenoiserModel):
 
     label = "model"
     """The name in messages."""
+    encodes_images = True
     guidance = "cfg"
     """One of ``GUIDANCE_MODES``; an instance may set its own (a checkpoint with or without a guidance embedding)."""
     cfg_renorm = False
@@ -358,7 +351,7 @@ class DiffusersFlowModel(DenoiserModel):
 
     def setup_training(self, lora: Any, need_reference: bool) -> None:
         super().setup_training(lora, need_reference)
-        if getattr(self.options, "gradient_checkpointing", False):
+        if self.options.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
 
     def frozen_modules(self) -> list[torch.nn.Module]:
@@ -486,7 +479,7 @@ def create_flow_model(model_cls: Any, pipeline_cls: Any, section: Any, options: 
     dtype = DTYPES[dtype_name]
     name, version, build = tiny
     path = checkpoint_path(section, section.name or label,
-                           lambda: tiny_directory(name, version, getattr(options, "tiny_seed", 0), build), default,
+                           lambda: tiny_directory(name, version, options.tiny_seed, build), default,
                            presets)
     pipeline = load_diffusers_pipeline(pipeline_cls, path, dtype, label, access_note, **load_kwargs)
     if check is not None:

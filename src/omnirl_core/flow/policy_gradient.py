@@ -14,8 +14,8 @@ import torch
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.flow.sampler import gaussian_kl, step_mean, transition_logprob
-from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
 from omnirl_core.rl.advantage import assign_group_advantages
 from omnirl_core.rl.correction import (
     record_deltas,
@@ -30,7 +30,7 @@ RS_KEEP = "rs_keep"
 
 
 @dataclass
-class Transition:
+class Transition(TrainingUnit):
     """One trained step j of one sample: x_j -> x_{j+1}."""
 
     sample: Sample
@@ -68,11 +68,11 @@ def stack_transitions(units: list[Transition], device: Any) -> TransitionBatch:
     s = torch.stack([u.sample.sigmas[u.step] for u in units]).to(device)
     s_next = torch.stack([u.sample.sigmas[u.step + 1] for u in units]).to(device)
     sigma_max = torch.stack([u.sample.sigmas[1] for u in units]).to(device)
-    cond = Conditioning.cat([u.sample.extras["cond"] for u in units]).to(device)
+    cond = Conditioning.cat([u.sample.cond for u in units]).to(device)
     scale = units[0].sample.request.guidance_scale
     uncond = None
     if scale > 1.0:
-        uncond = Conditioning.cat([u.sample.extras["uncond"] for u in units]).to(device)
+        uncond = Conditioning.cat([u.sample.uncond for u in units]).to(device)
     return TransitionBatch(x, x_next, s, s_next, sigma_max, cond, uncond, scale)
 
 
@@ -81,7 +81,7 @@ def transition_stats(model: Any, units: list[Transition], eta: float):
 
     All units of one call share a sampler kind (the trainer's micro-batches come from one plan)."""
     kind = units[0].kind
-    batch = stack_transitions(units, getattr(model, "device", torch.device("cpu")))
+    batch = stack_transitions(units, model.device)
     v = model.velocity(batch.x, batch.s, batch.cond, batch.guidance_scale, batch.uncond)
     mean, std = step_mean(kind, batch.x, v, batch.s, batch.s_next, eta, batch.sigma_max)
     return mean, std, transition_logprob(kind, batch.x_next, mean, std), batch

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.data.sources import PromptData, PromptSampler, open_run_data
-from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.loop.executors import make_executor
 from omnirl_core.loop.interrupts import StopSignals
 from omnirl_core.loop.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event

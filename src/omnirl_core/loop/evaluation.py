@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
 from omnirl_core.rundir.checkpoint import write_atomic
 
 TOTAL = "reward"
@@ -222,7 +222,8 @@ class Evaluator:
         """Trained weights from a checkpoint (verified against its checksums) or a LoRA directory. A checkpoint
         that holds evaluation weights (``eval-weights/``: an algorithm's EMA of the trained weights, as
         FlowGRPO's ``ema`` keeps) gives those, unless ``trained``."""
-        from omnirl_core.rundir.checkpoint import CHECKSUMS, EVAL_WEIGHTS, verify
+        from omnirl_core.algorithm import EVAL_WEIGHTS
+        from omnirl_core.rundir.checkpoint import CHECKSUMS, verify
 
         if (directory / CHECKSUMS).is_file():
             verify(directory)

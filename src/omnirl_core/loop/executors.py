@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun

@@ -36,11 +36,16 @@ class Launch:
     data: Any = None
     """The opened ``PromptData`` (None only in a dry run whose prompts are missing: ``data_problem``)."""
     data_problem: str | None = None
+    memory: Any = None
+    """The memory plan the run was checked against (``omnirl_core.plan``), or None when the model has none."""
+    device_type: str | None = None
+    """The torch device type the run uses (``cpu``, ``cuda``, ...), None when no device of its kind is here."""
 
     @classmethod
     def prepare(cls, manager: Any, resolved: ResolvedRun, dry_run: bool = False) -> Launch:
         """Everything that can fail before a run touches its directory: the trackers' options, the run
-        directory's identity (a directory holding another run is refused), and the prompt data."""
+        directory's identity (a directory holding another run is refused), the prompt data, and the memory the
+        run needs against the device it runs on (``check_memory``: the same check in a dry run)."""
         from omnirl_core.data.sources import NoPromptsError, open_run_data
         from omnirl_core.loop.trackers import resolve_trackers
 
@@ -56,7 +61,25 @@ class Launch:
             if not dry_run:
                 raise
             launch.data_problem = err.render()  # the plan is shown; the run itself would stop here
+        launch.check_memory(manager)
         return launch
+
+    def check_memory(self, manager: Any) -> None:
+        """The memory plan of the run against the memory of the device it uses (``plan.memory.check_run_memory``):
+        exit 2 when it cannot fit. A dry run resolves the device by name only (nothing touches it); a device that
+        is not here leaves the plan without a verdict."""
+        from omnirl_core.errors import OmnirlError
+        from omnirl_core.plan.memory import check_run_memory
+        from omnirl_core.resolve import resolve_device
+
+        device = self.resolved.device
+        if device is None:
+            try:
+                device = resolve_device(manager, self.resolved.config.run.device)
+            except OmnirlError:
+                device = None
+        self.device_type = device.torch_device if device is not None else None
+        self.memory = check_run_memory(self.resolved, self.device_type)
 
     def plan(self) -> dict[str, Any]:
         """What the run would do: the dry run's answer."""

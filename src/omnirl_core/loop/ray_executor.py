@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omnirl_core.contracts import TRAJECTORY_FIELDS, GenRequest, Sample
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.loop.executors import build_rewards
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.resolve import ResolvedRun
@@ -148,7 +148,7 @@ def shed_outputs(units: list[Any]) -> list[Any]:
     bare: dict[int, Sample] = {}
     out = []
     for unit in units:
-        sample = getattr(unit, "sample", None)
+        sample = unit.sample
         if not isinstance(sample, Sample) or HELD_KEY not in sample.extras or sample.output is None:
             out.append(unit)
             continue
@@ -171,7 +171,7 @@ def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
     rollout began)."""
     restored = 0
     for unit in units:
-        sample = getattr(unit, "sample", None)
+        sample = unit.sample
         if not isinstance(sample, Sample) or HELD_KEY not in sample.extras:
             continue  # not held, or restored already (units share their sample)
         key = sample.extras[HELD_KEY]
@@ -179,7 +179,8 @@ def restore_trajectories(units: list[Any], held: dict[int, Sample]) -> int:
             raise RuntimeError(f"a unit's sample (held key {key}, prompt {sample.prompt!r}) is not held by this "
                                "worker: its trajectory went with a later rollout")
         source = held[key]
-        sample.latents, sample.sigmas, sample.logprobs = source.latents, source.sigmas, source.logprobs
+        for name in TRAJECTORY_FIELDS:
+            setattr(sample, name, getattr(source, name))
         sample.extras = source.extras
         if sample.output is None:  # sent without it (``shed_outputs``)
             sample.output = source.output
@@ -410,7 +411,7 @@ class RayExecutor:
                 "have to run on every sharded rank.",
                 hint="Set run.placement=split (a separate rollout worker, weights synced after each update).",
             )
-        if run.train_workers > 1 and not getattr(resolved.train_engine.load_factory(), "distributed", False):
+        if run.train_workers > 1 and not resolved.train_engine.load_factory().distributed:
             raise UsageError(
                 f"Train engine '{resolved.train_engine.name}' runs in one process; run.train_workers="
                 f"{run.train_workers} needs a distributed engine.",

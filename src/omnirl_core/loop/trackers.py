@@ -2,7 +2,7 @@
 trackers get the same rows besides it.
 
 A tracker plugin registers a ``TrackerSpec`` through ``omnirl_register_trackers``; its factory takes the
-validated options (``run.trackers.N.options``) and returns an object with:
+validated options (``run.trackers.N.options``) and returns an ``omnirl_core.contracts.Tracker``:
 
   start(run: TrackerRun)     once, after the run directory is set up (and a checkpoint loaded, if any)
   log(event: StepEvent)      after each step's metrics row is written to metrics.jsonl
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from omnirl_core.config import validate_options
+from omnirl_core.contracts.runtime import Tracker
 from omnirl_core.errors import ConfigError
 
 log = logging.getLogger("omnirl.trackers")
@@ -116,6 +117,8 @@ class TrackerSet:
         for entry in self.pending:
             try:
                 tracker = entry.spec.load_factory()(entry.options)
+                if not isinstance(tracker, Tracker):
+                    raise TypeError(f"built a {type(tracker).__name__}, not an omnirl_core.contracts.Tracker")
                 tracker.start(run)
             except Exception as exc:  # noqa: BLE001 - a tracker never fails the run
                 self._failed(entry.name, "start", exc)

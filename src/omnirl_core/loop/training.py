@@ -136,10 +136,11 @@ def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
 
 
 def sample_blocks(units: list[Any]) -> list[list[Any]]:
-    """Units grouped by the sample they come from (a unit without ``.sample`` is its own group), in order."""
+    """Units grouped by the sample they come from (a unit of no single sample, ``sample`` None, is its own group),
+    in order."""
     groups: dict[int, list[Any]] = {}
     for unit in units:
-        groups.setdefault(id(getattr(unit, "sample", unit)), []).append(unit)
+        groups.setdefault(id(unit.sample if unit.sample is not None else unit), []).append(unit)
     return list(groups.values())
 
 

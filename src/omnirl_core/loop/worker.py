@@ -11,16 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omnirl_core.algorithm import Algorithm
+from omnirl_core.contracts import GenRequest, PolicyModel, RolloutEngine, Sample, TrainEngine
 from omnirl_core.errors import PluginError, UsageError
 from omnirl_core.flow.model import cfg_gradient
-from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.precision import offload_frozen, upcast_adapters
+from omnirl_core.registry import ComponentSpec
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.weights import export_trained_state, import_trained_state
 
+T = TypeVar("T")
 ROLES = frozenset({"actor", "rollout", "reference"})
 
 
@@ -34,6 +36,17 @@ def build_algorithm(resolved: ResolvedRun) -> Algorithm:
             hint="Subclass omnirl_core.algorithm.Algorithm (or FlowPolicyGradient / TokenPolicyGradient).",
         )
     return algorithm
+
+
+def built(spec: ComponentSpec, contract: type[T], obj: object) -> T:
+    """A factory's result, checked against the contract its kind declares (``omnirl_core.contracts``)."""
+    if not isinstance(obj, contract):
+        raise PluginError(
+            f"The {spec.kind} '{spec.name}' (plugin '{spec.plugin}') built a {type(obj).__name__}, which is not an "
+            f"omnirl_core.contracts.{contract.__name__}.",
+            hint=f"Subclass omnirl_core.contracts.{contract.__name__} (CONTRIBUTING.md lists what it declares).",
+        )
+    return obj
 
 
 def reference_placement(resolved: ResolvedRun, algorithm: Algorithm) -> str | None:
@@ -76,9 +89,9 @@ class Worker:
         self.algorithm: Algorithm | None = None  # the actor's (or reference's) own instance
         self.rank = rank
         self.world_size = world_size
-        self.model: Any = None
-        self.rollout: Any = None
-        self.trainer: Any = None
+        self.model: PolicyModel = None  # type: ignore[assignment]  # built by setup()
+        self.rollout: RolloutEngine | None = None
+        self.trainer: TrainEngine | None = None
         self.governor: Any = None
         self._adapted = False  # the pool was re-judged this step (by the rollout on this worker)
 
@@ -112,8 +125,8 @@ class Worker:
         self.governor = governor(self.threads)  # run.threads: adaptive (the default)
         torch.manual_seed(cfg.run.seed)
         device = torch_device(r)
-        self.model = r.model.load_factory()(cfg.model, r.options.get("model.options"), device)
-        if cfg.model.offload == "cpu" and hasattr(self.model, "frozen_modules"):
+        self.model = built(r.model, PolicyModel, r.model.load_factory()(cfg.model, r.options.get("model.options"), device))
+        if cfg.model.offload == "cpu":
             offload_frozen(self.model.frozen_modules(), device)
         self.model.negative_prompt = cfg.rollout.negative_prompt  # what rollout engines encode for CFG
         show_repeats_once()  # the libraries' loggers exist now; a warning per prompt would flood stderr
@@ -128,8 +141,8 @@ class Worker:
             self.model.setup_training(cfg.model.lora, need_reference=need_ref)
             if cfg.model.lora.enabled:  # the adapters' float32 master copy
                 upcast_adapters(self.model.trainable_parameters())
-            self.trainer = r.train_engine.load_factory()(self.model, cfg.train, r.options.get("train.options"),
-                                                         device)
+            self.trainer = built(r.train_engine, TrainEngine, r.train_engine.load_factory()(
+                self.model, cfg.train, r.options.get("train.options"), device))
         else:
             # a rollout-only worker carries the same adapter layout so that synced LoRA weights load; a
             # reference worker never trains: with LoRA it evaluates with the adapters disabled (the actor's
@@ -138,7 +151,8 @@ class Worker:
             if cfg.model.lora.enabled:  # the adapters' float32 master copy
                 upcast_adapters(self.model.trainable_parameters())
         if "rollout" in self.roles:
-            self.rollout = r.rollout_engine.load_factory()(self.model, r.options.get("rollout.options"), device)
+            self.rollout = built(r.rollout_engine, RolloutEngine, r.rollout_engine.load_factory()(
+                self.model, r.options.get("rollout.options"), device))
 
     # -- rollout -------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest], evaluation: bool = False) -> Iterator[Sample]:
@@ -208,14 +222,24 @@ class Worker:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, directory: str | Path) -> list[str]:
-        """Write this worker's part of a checkpoint into ``directory`` (``omnirl_core.rundir.checkpoint``
-        defines the files)."""
-        from omnirl_core.rundir.checkpoint import save_worker_files
-
-        return save_worker_files(Path(directory), self.model, self.trainer, self.algorithm, self.rank)
+        """Write this worker's part of a checkpoint into ``directory``: each component its own files (the train
+        engine: trained weights and optimizer; the algorithm: its state and the weights it evaluates). Returns
+        the paths written."""
+        directory = Path(directory)
+        if self.trainer is None:  # a rollout or reference worker keeps nothing of its own
+            return []
+        files = self.trainer.save_state(directory, self.rank)
+        if self.algorithm is not None:
+            files += self.algorithm.save_checkpoint(directory, self.model, self.trainer, self.rank)
+        return files
 
     def load_state(self, directory: str | Path) -> None:
-        """Load what ``save_state`` wrote (every file's checksum has been verified)."""
-        from omnirl_core.rundir.checkpoint import load_worker_files
-
-        load_worker_files(Path(directory), self.model, self.trainer, self.algorithm)
+        """Load what ``save_state`` wrote (every file's checksum has been verified). A worker without a train
+        engine (a rollout worker) loads the trained weights only."""
+        directory = Path(directory)
+        if self.trainer is None:
+            self.model.load_trained(directory)
+            return
+        self.trainer.load_state(directory)
+        if self.algorithm is not None:
+            self.algorithm.load_checkpoint(directory, self.model)

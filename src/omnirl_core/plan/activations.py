@@ -12,6 +12,7 @@ give what one block adds; the real depth follows by arithmetic, so a 60-block 20
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -211,16 +212,63 @@ def _linear(one: int, two: int, n: int) -> int:
 _TRACES: dict[tuple[Any, ...], tuple[int, int]] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def _libraries() -> tuple[str, ...]:
+    """What a trace depends on besides its key: the versions of what builds and runs the modules, and this
+    module's own code."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    out = [hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]]
+    for name in ("omnirl", "torch", "diffusers", "transformers", "peft"):
+        try:
+            out.append(f"{name}={version(name)}")
+        except PackageNotFoundError:
+            out.append(f"{name}=-")
+    return tuple(out)
+
+
+def stored(key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """``compute()`` memoised on disk (``$OMNIRL_CACHE/plan-traces``) under ``key`` and the libraries' versions: a
+    trace is a pure function of them, and every run checks its plan before it starts (the same plan again costs
+    nothing). Values are JSON (numbers, lists); an unreadable entry is computed anew."""
+    import hashlib
+    import json
+    import os
+
+    from omnirl_core.presets import cache_dir
+
+    digest = hashlib.sha256(repr((key, _libraries())).encode()).hexdigest()[:32]
+    path = cache_dir() / "plan-traces" / f"{digest}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the next plan its trace
+        pass
+    return value
+
+
 def _cached(probe: DenoiserProbe, layers: int, batch: int, lora_rank: int | None, checkpointing: bool,
             grad: bool) -> tuple[int, int]:
     """``_trace`` at ``batch`` from traces at 1 and 2 samples (every tensor grows with the batch), memoised on the
-    probe: a plan and its alternatives reuse them."""
+    probe (and, for a probe with a key, on disk: ``stored``): a plan and its alternatives reuse them."""
     cache = _TRACES if probe.key else probe.__dict__.setdefault("_traces", {})
     values = []
     for b in (1, 2):
         key = (probe.key, layers, b, lora_rank, checkpointing, grad)
         if key not in cache:
-            cache[key] = _trace(probe, layers, b, lora_rank, checkpointing, grad)
+            def trace(b: int = b) -> tuple[int, int]:
+                return _trace(probe, layers, b, lora_rank, checkpointing, grad)
+
+            cache[key] = tuple(stored(("trace",) + key, trace)) if probe.key else trace()
         values.append(cache[key])
     (peak_1, alive_1), (peak_2, alive_2) = values
     return _linear(peak_1, peak_2, batch), _linear(alive_1, alive_2, batch)

@@ -53,6 +53,9 @@ class ModelSizing:
     per_sample_bytes: int = 0
     """Activation bytes per sample outside the traced or estimated layers (e.g. an LM head's float32 logits)."""
     notes: list[str] = field(default_factory=list)
+    preset: str | None = None
+    """The preset whose architecture this describes (``model.preset``, e.g. ``tiny``); None: the released
+    full-size model. A sizing function that knows the configured preset's architecture sets it."""
 
 
 def lora_settings(config: Any, default_targets: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
@@ -105,10 +108,12 @@ def layers_builder(cls: Any, arch: dict[str, Any], dtype: Any, key: str = "num_l
 
 def pipeline_sizing(config: Any, components: dict[str, Any], trained: tuple[str, ...],
                     default_targets: tuple[str, ...], blocks: Iterable[Any], encoders: tuple[str, ...],
-                    probe: DenoiserProbe | None, decoder: DecoderProbe | None) -> ModelSizing:
+                    probe: DenoiserProbe | None, decoder: DecoderProbe | None, preset: str | None = None
+                    ) -> ModelSizing:
     """The ``ModelSizing`` of a pipeline of full-size ``components`` (on meta) that trains the ``trained`` ones:
     the adapters of ``config.model.lora`` (on ``default_targets`` when it names none) or those components whole;
-    ``encoders``: those of these names the pipeline has; ``blocks``: the sharded blocks of a trained component."""
+    ``encoders``: those of these names the pipeline has; ``blocks``: the sharded blocks of a trained component;
+    ``preset``: the preset these components are (None: the released model)."""
     rank, targets = lora_settings(config, default_targets)
     return ModelSizing(
         components=component_counts(components),
@@ -119,4 +124,5 @@ def pipeline_sizing(config: Any, components: dict[str, Any], trained: tuple[str,
         probe=probe,
         decoder=decoder,
         largest_block=max(checkpoint_numel(b) for b in blocks),
+        preset=preset,
     )

@@ -63,6 +63,12 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     fixes: list[tuple[str, int]] = field(default_factory=list)
     """Single changes that would make a plan that does not fit fit: (``--set`` text, the new largest total)."""
+    tried: list[str] = field(default_factory=list)
+    """The changes tried for ``fixes`` (``--set`` texts), fitting or not."""
+    memory_source: str = ""
+    """Where ``device_memory`` comes from when not given (e.g. ``of RAM available now``), for the messages."""
+    architecture: str = "released"
+    """What the weights and activations are of: ``released`` (the full-size model) or the preset's name."""
 
     @property
     def budget(self) -> int | None:
@@ -86,6 +92,8 @@ class MemoryPlan:
                        for g in self.groups],
             "notes": self.notes,
             "fixes": [{"set": s, "largest_total": t} for s, t in self.fixes],
+            "tried": self.tried,
+            "architecture": self.architecture,
         }
 
     def table(self) -> str:
@@ -98,7 +106,7 @@ class MemoryPlan:
                 lines.append([row] + [_gib(g.rows[row]) if row in g.rows else "-" for g in self.groups])
         lines.append(["total"] + [_gib(g.total) for g in self.groups])
         if self.device_memory is not None:
-            lines.append([f"budget ({self.device_memory / GIB:.0f} GiB less {HEADROOM:.0%} headroom)"]
+            lines.append([f"budget ({self.device_memory / GIB:.0f} GiB{self._source} less {HEADROOM:.0%} headroom)"]
                          + [_gib(self.budget or 0)] * len(self.groups))
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         out = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
@@ -109,6 +117,10 @@ class MemoryPlan:
         out += [f"note: {n}" for n in self.notes + [n for g in self.groups for n in g.notes]]
         return "\n".join(out)
 
+    @property
+    def _source(self) -> str:
+        return f" {self.memory_source}" if self.memory_source else ""
+
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
@@ -116,14 +128,26 @@ def _gib(n: int) -> str:
 
 def rollout_batch_size(config: Any) -> int:
     """Requests in one rollout model call: the engine's ``max_num_seqs`` (diffusers) or ``max_batch_size``
-    (transformers), 32 by default in both."""
+    (transformers), 32 by default in both, and never more than a step's samples (or an evaluation's)."""
     options = config.rollout.options or {}
-    return int(options.get("max_num_seqs", options.get("max_batch_size", 32)))
+    cap = int(options.get("max_num_seqs", options.get("max_batch_size", 32)))
+    samples = config.rollout.prompts_per_step * config.rollout.group_size
+    if config.run.eval_every is not None:
+        samples = max(samples, config.run.eval_prompts * config.run.eval_samples)
+    return max(1, min(cap, samples))
+
+
+def train_micro_batch(config: Any) -> int:
+    """Transitions in one training forward/backward call: ``train.micro_batch_size``, and never more than a
+    minibatch holds (every step of a minibatch's samples: ``rollout.num_steps`` transitions per sample at most)."""
+    samples = config.rollout.prompts_per_step * config.rollout.group_size
+    per_minibatch = -(-samples // config.train.minibatches) * max(1, config.rollout.num_steps)
+    return max(1, min(config.train.micro_batch_size, per_minibatch))
 
 
 def load_sizing(resolved: Any) -> ModelSizing:
     spec = resolved.model
-    ref = getattr(spec, "sizing", None)
+    ref = spec.sizing
     if ref is None:
         raise PluginError(
             f"Model '{spec.name}' does not describe its full-size architecture (no sizing in its ModelSpec): "
@@ -140,7 +164,7 @@ def _activation_bytes(sizing: ModelSizing, config: Any, dtype_bytes: int, checkp
     """(training micro-batch peak, rollout call peak) of the trained network."""
     from omnirl_core.plan.activations import no_grad_peak, trace_activations, transformer_activation_bytes
 
-    micro = config.train.micro_batch_size
+    micro = train_micro_batch(config)
     rollout_batch = rollout_batch_size(config)
     lora_rank = config.model.lora.rank if sizing.lora else None
     extra_train, extra_rollout = sizing.per_sample_bytes * micro, sizing.per_sample_bytes * rollout_batch
@@ -168,41 +192,46 @@ _DECODES: dict[tuple[Any, ...], int] = {}
 def _decode_bytes(sizing: ModelSizing, config: Any) -> int:
     if sizing.decoder is None:
         return 0
-    from omnirl_core.plan.activations import peak_live_bytes
+    from omnirl_core.plan.activations import peak_live_bytes, stored
 
     decoder = sizing.decoder
     one = _DECODES.get(decoder.key) if decoder.key else None
     if one is None:
-        module = decoder.build()
-        one = peak_live_bytes(module, lambda: decoder.run(module, 1))
+        def trace() -> int:
+            module = decoder.build()
+            return peak_live_bytes(module, lambda: decoder.run(module, 1))
+
+        one = int(stored(("decode", decoder.key), trace)) if decoder.key else trace()
         if decoder.key:
             _DECODES[decoder.key] = one
     return one * rollout_batch_size(config)  # a decode's intermediates grow with the batch: traced at batch 1
 
 
 def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSizing | None = None,
-                suggest: bool = True) -> MemoryPlan:
-    """The plan of ``resolved`` (a ``ResolvedRun``); ``device_memory``: bytes per device (None: no verdict)."""
+                suggest: bool = True, device_type: str | None = None, memory_source: str = "") -> MemoryPlan:
+    """The plan of ``resolved`` (a ``ResolvedRun``); ``device_memory``: bytes per device (None: no verdict).
+    ``device_type`` ``cpu``: the device's memory is the host's, which also holds a step's samples (their decoded
+    outputs and trajectories, ``plan.memory``): a row of the rollout's group."""
     cfg = resolved.config
     sizing = sizing or load_sizing(resolved)
     dtype = model_dtype(cfg)
     wb = DTYPE_BYTES[dtype]
-    options = resolved.options.get("model.options")
-    checkpointing = bool(getattr(options, "gradient_checkpointing", False))
-    algo = resolved.options.get("algorithm.options")
+    dump = resolved.dump()  # the model's and the algorithm's own options, as configured
+    checkpointing = bool((dump["model"]["options"] or {}).get("gradient_checkpointing", False))
     run = cfg.run
 
     split = run.executor == "ray" and run.placement == "split"
     ranks = run.train_workers if split else 1
-    sharded = resolved.train_engine.name == "fsdp2" and ranks > 1
+    sharded = resolved.train_engine.shards and ranks > 1
     shard = ranks if sharded else 1
-    offload = getattr(cfg.model, "offload", "none") == "cpu"
+    offload = cfg.model.offload == "cpu"
 
     # trainable state: LoRA adapters hold an fp32 master copy; full fine-tuning keeps the model dtype
     tb = 4 if sizing.lora else wb
     trainable = sizing.trainable
-    uses_reference = resolved.algorithm.needs_reference and float(getattr(algo, "beta", 0.0) or 0.0) > 0
-    ema = resolved.algorithm.needs_ema or bool(getattr(algo, "ema", False))
+    algo_options = dump["algorithm"]["options"] or {}
+    uses_reference = resolved.algorithm.needs_reference and float(algo_options.get("beta", 0.0) or 0.0) > 0
+    ema = resolved.algorithm.needs_ema or bool(algo_options.get("ema", False))
     trained_numel = sum(sizing.components[c] for c in sizing.trained)
 
     def weights(rows: dict[str, int], shard_trained: int) -> None:
@@ -217,7 +246,7 @@ def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSi
     train_act, rollout_act = _activation_bytes(sizing, cfg, wb, checkpointing)
     decode = _decode_bytes(sizing, cfg)
     seqs = rollout_batch_size(cfg)
-    phases = (f"activations by phase (they take turns): train micro-batch of {cfg.train.micro_batch_size} "
+    phases = (f"activations by phase (they take turns): train micro-batch of {train_micro_batch(cfg)} "
               f"{train_act / GIB:.2f} GiB (gradient checkpointing {'on' if checkpointing else 'off'}, CFG "
               f"{cfg_state(cfg)}), rollout call of {seqs} {rollout_act / GIB:.2f} GiB, "
               f"VAE decode of {seqs} {decode / GIB:.2f} GiB")
@@ -255,14 +284,28 @@ def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSi
     if split and not sharded and ranks > 1:
         notes.append(f"train engine '{resolved.train_engine.name}' does not shard: every one of the {ranks} "
                      "ranks holds everything")
-    plan = MemoryPlan(groups, device_memory, dtype, notes)
+    if device_type == "cpu":
+        from omnirl_core.plan.memory import rollout_state_bytes
+
+        groups[1 if split else 0].rows["samples of a step (outputs, trajectories)"] = rollout_state_bytes(cfg)["total"]
+    preset = cfg.model.preset
+    if preset is not None and sizing.preset != preset:
+        notes.insert(0, f"these are the released, full-size {resolved.model.name}'s numbers, not the preset "
+                     f"'{preset}' this run loads: the model's plugin describes only the released architecture to the "
+                     "planner (ModelSizing.preset), so the preset's own memory is not planned")
+    elif preset is not None:
+        notes.insert(0, f"architecture: the preset '{preset}' this run loads (not the released model)")
+    plan = MemoryPlan(groups, device_memory, dtype, notes, memory_source=memory_source,
+                      architecture=sizing.preset or "released")
     if suggest and device_memory is not None and not plan.fits:
-        plan.fixes = _fixes(resolved, sizing, device_memory)
+        plan.fixes, plan.tried = _fixes(resolved, sizing, device_memory, device_type)
     return plan
 
 
-def _candidates(resolved: Any, sizing: ModelSizing) -> list[tuple[str, dict[str, Any]]]:
-    """Single changes that lower memory, as (``--set`` text, patch of the config dump)."""
+def _candidates(resolved: Any, sizing: ModelSizing, device_type: str | None = None
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """Single changes that lower memory, as (``--set`` text, patch of the config dump); on the CPU an offload to
+    the host moves nothing."""
     cfg = resolved.config
     dump = resolved.dump()
     out: list[tuple[str, dict[str, Any]]] = []
@@ -271,24 +314,34 @@ def _candidates(resolved: Any, sizing: ModelSizing) -> list[tuple[str, dict[str,
     options = dump["model"]["options"] or {}
     if "gradient_checkpointing" in options and not options["gradient_checkpointing"]:
         out.append(("model.options.gradient_checkpointing=true", {"model": {"options": {"gradient_checkpointing": True}}}))
-    if getattr(cfg.model, "offload", "none") != "cpu" and sizing.encoders:
+    if cfg.model.offload != "cpu" and sizing.encoders and device_type != "cpu":
         out.append(("model.offload=cpu", {"model": {"offload": "cpu"}}))
-    micro = cfg.train.micro_batch_size
+    micro = train_micro_batch(cfg)
     while micro > 1:
         micro //= 2
         out.append((f"train.micro_batch_size={micro}", {"train": {"micro_batch_size": micro}}))
     seqs = rollout_batch_size(cfg)
-    key = "max_num_seqs" if resolved.rollout_engine.name == "diffusers" else "max_batch_size"
-    while seqs > 1:
+    key = resolved.rollout_engine.batch_option
+    while key and seqs > 1:
         seqs = max(1, seqs // 4)
         out.append((f"rollout.options.{key}={seqs}", {"rollout": {"options": {key: seqs}}}))
     if not sizing.lora:
         out.append(("model.lora.enabled=true", {"model": {"lora": {"enabled": True}}}))
+    group = cfg.rollout.group_size
+    while group // 2 >= max(2, resolved.algorithm.min_group_size):
+        group //= 2
+        out.append((f"rollout.group_size={group}", {"rollout": {"group_size": group}}))
+    prompts = cfg.rollout.prompts_per_step
+    while prompts > 1:
+        prompts //= 2
+        out.append((f"rollout.prompts_per_step={prompts}", {"rollout": {"prompts_per_step": prompts}}))
     return out
 
 
-def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int) -> list[tuple[str, int]]:
-    """Each candidate alone, then all of them together (one at a time in order until it fits)."""
+def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int, device_type: str | None = None
+           ) -> tuple[list[tuple[str, int]], list[str]]:
+    """Each candidate alone, then all of them together (one at a time in order until it fits); returns the
+    changes that fit and every change tried."""
     from omnirl_core.config import deep_merge
 
     def replan(patch: dict[str, Any]) -> MemoryPlan | None:
@@ -303,15 +356,16 @@ def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int) -> list[tuple
             if model_options is not None and "options" in patch.get("model", {}):
                 changed.options["model.options"] = model_options.model_copy(update=patch["model"]["options"])
             resized = sizing
-            if {"lora", "dtype"} & set(patch.get("model", {})) and getattr(resolved.model, "sizing", None):
+            if {"lora", "dtype"} & set(patch.get("model", {})) and resolved.model.sizing:
                 resized = load_sizing(changed)  # another trainable set or dtype: the model describes it anew
-            return plan_memory(changed, device_memory, resized, suggest=False)
+            return plan_memory(changed, device_memory, resized, suggest=False, device_type=device_type)
         except Exception:  # noqa: BLE001 - a candidate that does not validate is simply not offered
             return None
 
     fixes: list[tuple[str, int]] = []
     chosen: dict[str, tuple[str, dict[str, Any]]] = {}  # by setting: the latest value wins
-    for text, patch in _candidates(resolved, sizing):
+    candidates = _candidates(resolved, sizing, device_type)
+    for text, patch in candidates:
         alone = replan(patch)
         if alone is not None and alone.fits:
             fixes.append((text, alone.peak))
@@ -326,24 +380,29 @@ def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int) -> list[tuple
         if not fixes and together is not None and together.fits:
             fixes.append((" ".join(f"--set {t}" for t, _ in chosen.values()), together.peak))
             break
-    return fixes[:6]
+    return fixes[:6], [text for text, _ in candidates]
 
 
 def check_fits(plan: MemoryPlan, where: str) -> None:
-    """Refuse a plan that does not fit, with the numbers and the changes that would make it fit."""
+    """Refuse a plan that does not fit, with the numbers and the changes that would make it fit (or, when none
+    of those tried does, which were tried)."""
     if plan.fits:
         return
     largest = max(plan.groups, key=lambda g: g.total)
     top = sorted(largest.rows.items(), key=lambda kv: -kv[1])[:4]
+    memory = f"{(plan.device_memory or 0) / GIB:.0f} GiB{plan._source}"
     details = [f"  {largest.name}: {largest.total / GIB:.1f} GiB per device > budget {(plan.budget or 0) / GIB:.1f} "
-               f"GiB ({(plan.device_memory or 0) / GIB:.0f} GiB less {HEADROOM:.0%} headroom); largest rows: "
+               f"GiB ({memory} less {HEADROOM:.0%} headroom); largest rows: "
                + ", ".join(f"{k} {v / GIB:.1f}" for k, v in top)]
     if plan.fixes:
         details += [f"  fits with --set {text}: {peak / GIB:.1f} GiB" if not text.startswith("--set")
                     else f"  fits with {text}: {peak / GIB:.1f} GiB" for text, peak in plan.fixes]
-    raise ConfigError(
-        f"{where} does not fit in {(plan.device_memory or 0) / GIB:.0f} GiB per device.",
-        details=details,
-        hint="Apply one of the changes above (see `omnirl plan` for the whole table), use more or larger devices "
-        "(run.train_workers with the fsdp2 engine), or give the real size with --device-memory.",
-    )
+        hint = ("Apply one of the changes above (see `omnirl plan` for the whole table), use more or larger devices "
+                "(run.train_workers with the fsdp2 engine), or give the real size with --device-memory.")
+    else:
+        tried = ", ".join(plan.tried) or "none applies to this run"
+        details.append(f"  no single change omnirl tries fits, nor all of them together (tried: {tried})")
+        hint = ("Lower the resolution (rollout.height / rollout.width) or the samples per step, use more or larger "
+                "devices (run.train_workers with the fsdp2 engine), or give the real size with --device-memory.")
+    room = f"the {memory}" if plan.memory_source else f"{memory} per device"
+    raise ConfigError(f"{where} does not fit in {room}.", details=details, hint=hint)

@@ -23,18 +23,24 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from omnirl_core.contracts import Reward, Sample, as_reward
 from omnirl_core.errors import OmnirlError
-from omnirl_core.interfaces import Sample
 
 log = logging.getLogger("omnirl.rewards")
 
 
 @dataclass
 class RewardFn:
+    """One reward of a run: its name, the ``Reward`` (a plain callable is wrapped with every default), its weight
+    in the sum, and whether a failure stops the run."""
+
     name: str
-    fn: Callable[[Sequence[Any], Sequence[str]], list[float]]
+    fn: Reward
     weight: float = 1.0
     required: bool = True
+
+    def __post_init__(self) -> None:
+        self.fn = as_reward(self.fn)
 
 
 class RewardError(OmnirlError):
@@ -143,7 +149,7 @@ class RewardSet:
     def _arguments(reward: RewardFn, samples: list[Sample]) -> tuple[list[Any], list[str], dict[str, Any]]:
         """What a reward is called with: outputs, prompts, and each prompt's record for one that compares
         against it (``uses_inputs``)."""
-        kwargs = {"inputs": [s.request.inputs for s in samples]} if getattr(reward.fn, "uses_inputs", False) else {}
+        kwargs = {"inputs": [s.request.inputs for s in samples]} if reward.fn.uses_inputs else {}
         return [s.output for s in samples], [s.prompt for s in samples], kwargs
 
     def _call(self, reward: RewardFn, samples: list[Sample]) -> list[float]:
@@ -172,12 +178,12 @@ class RewardSet:
         whatever else shares its call), so batching the samples that pile up changes no score: the executors then
         batch them whatever ``run.reward_batching`` says (a call per sample costs a cheap reward more than its
         scoring: on Ray, about 2.5 ms of CPU per call beside the rollout)."""
-        return all(getattr(r.fn, "batch_invariant", False) for r in self.rewards)
+        return all(r.fn.batch_invariant for r in self.rewards)
 
     @property
     def submittable(self) -> bool:
-        """Every reward scores on its own threads or event loop (``submit``, see ``ascore``)."""
-        return all(callable(getattr(r.fn, "submit", None)) for r in self.rewards)
+        """Every reward scores on its own threads or event loop (``asynchronous``: ``submit``, see ``ascore``)."""
+        return all(r.fn.asynchronous for r in self.rewards)
 
     @property
     def batch_capacity(self) -> int:
@@ -186,11 +192,11 @@ class RewardSet:
         VLM judge's requests in flight), 1 for one that declares none."""
         if not self.submittable:
             return 0
-        return max(1, min(int(getattr(r.fn, "capacity", 1)) for r in self.rewards))
+        return max(1, min(int(r.fn.capacity) for r in self.rewards))
 
     async def ascore(self, samples: list[Sample]) -> None:
-        """``score`` for an event loop (a Ray async reward actor): a reward with ``submit(outputs, prompts[,
-        inputs=])``, which starts the scoring on the reward's own threads or loop and returns a
+        """``score`` for an event loop (a Ray async reward actor): an ``asynchronous`` reward's ``submit(outputs,
+        prompts[, inputs=])``, which starts the scoring on the reward's own threads or loop and returns a
         ``concurrent.futures.Future``, is awaited without a thread of this loop's; any other reward runs on a
         thread of the loop's executor. The same deadline, checks and failure handling as ``score``."""
         import asyncio
@@ -199,11 +205,10 @@ class RewardSet:
             return
         start = time.perf_counter()
         for reward in self.rewards:
-            submit = getattr(reward.fn, "submit", None)
             try:
-                if callable(submit):
+                if reward.fn.asynchronous:
                     outputs, prompts, kwargs = self._arguments(reward, samples)
-                    future = asyncio.wrap_future(submit(outputs, prompts, **kwargs))
+                    future = asyncio.wrap_future(reward.fn.submit(outputs, prompts, **kwargs))
                     try:
                         values = await asyncio.wait_for(future, self.timeout_s)
                     except asyncio.TimeoutError:

@@ -1,10 +1,19 @@
 """``omnirl reward serve NAME``: any installed reward over HTTP (wire format: ``omnirl_core.rewards.wire``).
 
 A reward model with conflicting dependencies or its own GPU then runs in its own environment, and a run
-reaches it with the ``remote`` reward. Requests that arrive together are scored in one call: a batcher thread
-takes every waiting request (up to ``max_batch`` samples, waiting at most ``max_wait_ms`` for more after the
-first) and calls the reward once; when that batch fails, each request is scored alone, so a bad request fails
-only itself. The reward is never called from two threads at once.
+reaches it with the ``remote`` reward. The reward is called as in process: with the same tensors (dtype, shape,
+bits), and with the batch each request carries. Only a reward that says a sample's score never depends on
+what shares its call (``batch_invariant = True``) has the requests that arrive together merged into one call:
+a batcher thread takes every waiting request (up to ``max_batch`` samples, waiting at most ``max_wait_ms`` for
+more after the first); when such a batch fails, each request is scored alone, so a bad request fails only
+itself. The reward is never called from two threads at once.
+
+What a client can make the server hold is bounded: a body needs a ``Content-Length`` of at most
+``max_body_bytes`` (no chunked bodies), the bodies held at once take at most ``max_body_bytes`` together (a
+request past that waits its turn), a body is read as it arrives (``wire.read_request``: its header checked
+first, its tensors' bytes read into one buffer, nothing else kept), a connection that sends nothing for
+``idle_timeout_s`` is closed, and at most ``max_connections`` are served at once (one more is answered 503
+at once, without a thread). Every request the server cannot use gets a 4xx with a JSON ``error``.
 
 With ``OMNIRL_REWARD_SERVER_TOKEN`` in the server's environment, every request must carry
 ``Authorization: Bearer <token>`` (the remote reward sends it from the same variable); the token is never
@@ -28,11 +37,127 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from omnirl_core.rewards.dispatch import check_scores
-from omnirl_core.rewards.wire import WireError, decode_request
+from omnirl_core.rewards.wire import CONTENT_TYPE, WireError, read_request
 
 log = logging.getLogger("omnirl.reward_server")
 TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"
-MAX_BODY = 512 * 1024 * 1024
+# 64 float32 images of 1024x1024 (a request of the remote reward's default batch_size at that size) take 805 MB
+MAX_BODY = 1 << 30
+IDLE_TIMEOUT_S = 60.0
+MAX_CONNECTIONS = 64
+
+
+class BodyError(Exception):
+    """A request whose body the server will not read: ``status`` and the reason."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def body_length(headers: Any, limit: int) -> int:
+    """The length of a request's body from its headers: one ``Content-Length`` of at most ``limit`` bytes;
+    raises BodyError (411 without one or with a chunked body, 400 for a malformed one, 413 over the limit)."""
+    if headers.get("Transfer-Encoding") is not None:
+        raise BodyError(411, "chunked bodies (Transfer-Encoding) are not accepted: send a Content-Length")
+    values = {v.strip() for v in headers.get_all("Content-Length") or []}
+    if not values:
+        raise BodyError(411, "a Content-Length header is required")
+    if len(values) > 1:
+        raise BodyError(400, f"conflicting Content-Length headers ({', '.join(sorted(values))[:80]})")
+    value = values.pop()
+    if not (value.isascii() and value.isdigit()):
+        raise BodyError(400, f"Content-Length {value[:40]!r} is not a number of bytes")
+    length = int(value)
+    if length > limit:
+        raise BodyError(413, f"a body of {length} bytes is over the {limit} byte limit (the server's "
+                             "--max-body-mb); send fewer samples per request (the remote reward's batch_size)")
+    return length
+
+
+def has_body(headers: Any) -> bool:
+    """The request announces a body (one a handler that does not read it must close the connection over)."""
+    return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() != "0"
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer (daemon threads) that serves at most ``max_connections`` connections at once: one more
+    is answered ``503`` and closed by the listening thread, without a thread of its own. Handlers set their idle
+    timeout with the ``timeout`` class attribute (``BaseHTTPRequestHandler`` closes a connection idle that long)."""
+
+    daemon_threads = True
+    block_on_close = False  # close() must not wait for handlers that wait on a reward
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.max_connections = max_connections
+        self.refused = 0
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        body = json.dumps({"error": f"the server has {self.max_connections} connections open, its limit "
+                                    "(--max-connections); retry later"}).encode()
+        try:
+            request.settimeout(1.0)
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            request.setblocking(False)
+            while request.recv(1 << 16):  # what the client sent already: a close with unread data resets
+                pass
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up or stalls mid-reply is its own business (socketserver printed a traceback)."""
+        import sys
+
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("connection from %s failed: %s", client_address, error)
+        else:
+            log.error("error while serving %s", client_address, exc_info=error)
+
+
+class _Budget:
+    """Bytes of request bodies held at once."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self._free = threading.Condition()
+
+    def acquire(self, n: int, timeout_s: float) -> bool:
+        with self._free:
+            return self._free.wait_for(lambda: self.held + n <= self.limit, timeout_s) and self._take(n)
+
+    def _take(self, n: int) -> bool:
+        self.held += n
+        return True
+
+    def release(self, n: int) -> None:
+        with self._free:
+            self.held -= n
+            self._free.notify_all()
 
 
 @dataclass
@@ -44,11 +169,13 @@ class _Job:
 
 
 class Batcher:
-    """Merges concurrent requests into batched reward calls on one thread."""
+    """Calls the reward on one thread: one call per request, or, for a ``batch_invariant`` reward, one call per
+    group of requests that arrive together."""
 
     def __init__(self, reward: Callable[..., Any], max_batch: int = 32, max_wait_ms: float = 5.0):
         self.reward = reward
         self.uses_inputs = bool(getattr(reward, "uses_inputs", False))
+        self.batch_invariant = bool(getattr(reward, "batch_invariant", False))
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -79,26 +206,31 @@ class Batcher:
             values = self.reward(outputs, prompts)
         return check_scores(values, len(prompts))
 
+    def _collect(self, first: _Job) -> list[_Job]:
+        batch, size = [first], len(first.prompts)
+        deadline = time.monotonic() + self.max_wait_s
+        while self.batch_invariant and size < self.max_batch:
+            try:
+                job = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if job is None:
+                self.jobs.put(None)
+                break
+            batch.append(job)
+            size += len(job.prompts)
+        return batch
+
     def _loop(self) -> None:
         while True:
             first = self.jobs.get()
             if first is None:
                 return
-            batch, size = [first], len(first.prompts)
-            deadline = time.monotonic() + self.max_wait_s
-            while size < self.max_batch:
-                try:
-                    job = self.jobs.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if job is None:
-                    self.jobs.put(None)
-                    break
-                batch.append(job)
-                size += len(job.prompts)
-            self._run(batch, size)
+            self._run(self._collect(first))
+            del first  # nothing of a scored request stays alive while the thread waits for the next
 
-    def _run(self, batch: list[_Job], size: int) -> None:
+    def _run(self, batch: list[_Job]) -> None:
+        size = sum(len(job.prompts) for job in batch)
         self.stats["requests"] += len(batch)
         self.stats["samples"] += size
         self.stats["batches"] += 1
@@ -123,20 +255,25 @@ class Batcher:
 
 
 class RewardServer:
-    """A ThreadingHTTPServer in front of a Batcher. ``port=0`` picks a free port (see ``.port``)."""
+    """A BoundedHTTPServer in front of a Batcher. ``port=0`` picks a free port (see ``.port``)."""
 
     def __init__(self, reward: Callable[..., Any], name: str, modalities: tuple[str, ...] = ("any",),
                  host: str = "127.0.0.1", port: int = 0, max_batch: int = 32, max_wait_ms: float = 5.0,
-                 request_timeout_s: float = 600.0):
+                 request_timeout_s: float = 600.0, max_body_bytes: int = MAX_BODY,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
+        if max_body_bytes < 8 or idle_timeout_s <= 0:
+            raise ValueError("max_body_bytes must be at least 8 and idle_timeout_s positive")
         self.name = name
         self.modalities = modalities
         self.batcher = Batcher(reward, max_batch, max_wait_ms)
         self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.budget = _Budget(max_body_bytes)
         self.token = os.environ.get(TOKEN_ENV) or None
         self.connections: set[Any] = set()
         self._connections_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = BoundedHTTPServer((host, port), self._handler(), max_connections)
         self.host, self.port = self.httpd.server_address[:2]
 
     @property
@@ -145,7 +282,8 @@ class RewardServer:
 
     def info(self) -> dict[str, Any]:
         return {"reward": self.name, "modality": list(self.modalities), "uses_inputs": self.batcher.uses_inputs,
-                "max_batch": self.batcher.max_batch, **self.batcher.stats}
+                "batch_invariant": self.batcher.batch_invariant, "max_batch": self.batcher.max_batch,
+                "max_body_bytes": self.max_body_bytes, **self.batcher.stats}
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.2)
@@ -168,6 +306,24 @@ class RewardServer:
                     pass
         self.batcher.close()
 
+    def score(self, read_into: Callable[[memoryview], int], length: int) -> tuple[int, dict[str, Any]]:
+        """One /score body -> (status, answer). Raises TimeoutError / OSError when the connection fails while
+        the body is read. Nothing of the request is left alive when it returns."""
+        try:
+            outputs, prompts, inputs = read_request(read_into, length)
+        except WireError as exc:
+            return 400, {"error": f"bad request: {exc}"}
+        if not prompts:
+            return 200, {"scores": []}
+        future = self.batcher.submit(outputs, prompts, inputs)
+        del outputs, inputs
+        try:
+            return 200, {"scores": future.result(self.request_timeout_s)}
+        except TimeoutError:
+            return 504, {"error": f"reward '{self.name}' gave no answer within {self.request_timeout_s:g} s"}
+        except Exception as exc:  # noqa: BLE001 - the reward's own failure, reported to the client
+            return 500, {"error": f"reward '{self.name}' failed: {type(exc).__name__}: {exc}"}
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
@@ -176,6 +332,7 @@ class RewardServer:
             # TCP_NODELAY: a reply's headers and body leave as two writes; with Nagle's algorithm the body waited
             # for the client's delayed ACK of the headers, 40 ms on every call of a kept-alive connection
             disable_nagle_algorithm = True
+            timeout = server.idle_timeout_s  # per read and write: an idle connection is closed
 
             def setup(self) -> None:
                 super().setup()
@@ -190,11 +347,15 @@ class RewardServer:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("%s " + format, self.address_string(), *args)
 
-            def _send(self, status: int, body: dict[str, Any]) -> None:
+            def _send(self, status: int, body: dict[str, Any], close: bool = False) -> None:
+                """``close``: the connection ends after this reply (a body left unread must not be taken for the
+                next request)."""
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if close:
+                    self.send_header("Connection", "close")  # sets close_connection
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -204,46 +365,56 @@ class RewardServer:
                 got = self.headers.get("Authorization", "")
                 if hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
                     return True
-                self._send(401, {"error": f"missing or wrong bearer token (the server requires {TOKEN_ENV})"})
+                self._send(401, {"error": f"missing or wrong bearer token (the server requires {TOKEN_ENV})"},
+                           close=has_body(self.headers))
                 return False
+
+            def _no_such(self) -> None:
+                self._send(404, {"error": f"no such endpoint {self.path[:200]!r}: GET /health, POST /score"},
+                           close=has_body(self.headers))
 
             def do_GET(self) -> None:
                 if self.path.rstrip("/") != "/health":
-                    self._send(404, {"error": f"no such endpoint {self.path!r}: GET /health, POST /score"})
+                    self._no_such()
                 elif self._authorised():
-                    self._send(200, server.info())
+                    self._send(200, server.info(), close=has_body(self.headers))
+
+            def _not_allowed(self) -> None:
+                self._send(405, {"error": f"{self.command} is not served: GET /health, POST /score"}, close=True)
+
+            do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
             def do_POST(self) -> None:
                 if self.path.rstrip("/") != "/score":
-                    self._send(404, {"error": f"no such endpoint {self.path!r}: GET /health, POST /score"})
+                    self._no_such()
                     return
                 if not self._authorised():
                     return
-                try:
-                    length = int(self.headers.get("Content-Length", ""))
-                except ValueError:
-                    self._send(411, {"error": "a Content-Length header is required"})
-                    return
-                if length > MAX_BODY:
-                    self._send(413, {"error": f"body of {length} bytes is over the {MAX_BODY} byte limit"})
+                kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+                if kind != CONTENT_TYPE:
+                    self._send(415, {"error": f"the body must be {CONTENT_TYPE} (a safetensors file, see "
+                                              f"omnirl_core.rewards.wire), not {kind[:80] or 'untyped'}"}, close=True)
                     return
                 try:
-                    outputs, prompts, inputs = decode_request(json.loads(self.rfile.read(length)))
-                except (WireError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    self._send(400, {"error": f"bad request: {exc}"})
+                    length = body_length(self.headers, server.max_body_bytes)
+                except BodyError as exc:
+                    self._send(exc.status, {"error": str(exc)}, close=True)
                     return
-                if not prompts:
-                    self._send(200, {"scores": []})
+                if not server.budget.acquire(length, server.request_timeout_s):
+                    self._send(503, {"error": f"the server held {server.max_body_bytes} bytes of requests for "
+                                              f"{server.request_timeout_s:g} s; retry later"}, close=True)
                     return
                 try:
-                    scores = server.batcher.submit(outputs, prompts, inputs).result(server.request_timeout_s)
+                    status, answer = server.score(self.rfile.readinto, length)
                 except TimeoutError:
-                    self._send(504, {"error": f"reward '{server.name}' gave no answer within "
-                                              f"{server.request_timeout_s:g} s"})
-                except Exception as exc:  # noqa: BLE001 - the reward's own failure, reported to the client
-                    self._send(500, {"error": f"reward '{server.name}' failed: {type(exc).__name__}: {exc}"})
-                else:
-                    self._send(200, {"scores": scores})
+                    self._send(408, {"error": f"nothing arrived for {server.idle_timeout_s:g} s in the middle of "
+                                              "the body"}, close=True)
+                    return
+                except OSError:  # the client went away mid-body
+                    self.close_connection = True
+                    return
+                finally:
+                    server.budget.release(length)
+                self._send(status, answer, close=status == 400)
 
         return Handler
-

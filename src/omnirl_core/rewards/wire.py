@@ -1,108 +1,222 @@
-"""The reward server's wire format: JSON, with images and video frames as base64 PNG (no pickle).
+"""The reward server's wire format: a request is one safetensors file (no pickle); the answer is JSON.
 
-    POST /score   {"prompts": [str, ...], "outputs": [OUTPUT, ...], "inputs": [record | null, ...]}
+    POST /score   Content-Type: application/vnd.omnirl.score+safetensors
+                  body: a safetensors file whose tensors are the outputs that are tensors, named ``outputs.<i>``,
+                  with their own dtype, shape and bytes, and whose ``__metadata__["omnirl"]`` is JSON:
+                  {"prompts": [str, ...], "outputs": [{"tensor": "outputs.<i>"} | {"text": str}, ...],
+                   "inputs": [record | null, ...]}          ("inputs" optional)
                   -> 200 {"scores": [float, ...]}   or   4xx / 5xx {"error": str}
-    GET  /health  -> {"reward": NAME, "modality": [...], "uses_inputs": bool, "requests": n, "batches": n, ...}
+    GET  /health  -> {"reward": NAME, "modality": [...], "uses_inputs": bool, "batch_invariant": bool,
+                      "max_body_bytes": n, "requests": n, "batches": n, ...}
 
-    OUTPUT = {"kind": "image", "png": B64}                  (3, H, W) in [0, 1]
-           | {"kind": "video", "frames": [B64, ...]}        (3, F, H, W) in [0, 1], one PNG per frame
-           | {"kind": "text", "text": str}
+The served reward sees the very tensors the in-process one sees: the same dtype, shape and bits (CPU,
+contiguous). A score goes back as a JSON number written by ``repr(float)``, which reads back as the same double.
+So a served reward gives bit for bit the in-process scores, as long as it is called with the same batches (the
+server merges requests only for a ``batch_invariant`` reward, see ``omnirl_core.rewards.server``).
 
-Images go over 8-bit, rounded like a saved picture (``round(clamp(x, 0, 1) * 255)``), the rounding every
-image reward here applies first, so a served image reward scores exactly what it scores in process. Video goes
-as lossless PNG frames rather than MP4: an MP4 needs an encoder (PyAV / ffmpeg) and its lossy compression would
-change the scores.
+The format is safetensors' (an 8-byte little-endian header length, a JSON header, then the tensors' bytes), so
+any safetensors library writes and reads it; the server reads it as it arrives (``read_request``): the header is
+checked first, then the tensors' bytes go straight into one buffer, with nothing else of the body kept.
 """
 
 from __future__ import annotations
 
-import base64
-import io
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-MAX_SIDE = 8192
+CONTENT_TYPE = "application/vnd.omnirl.score+safetensors"
+MAX_HEADER = 16 << 20  # prompts and records travel in the header: 16 MiB is thousands of long records
+MAX_DIMS = 8
+META_KEY = "omnirl"
 
 
 class WireError(ValueError):
     """A request or answer that does not follow the wire format."""
 
 
-def _png(frame_u8: Any) -> str:
-    """(3, H, W) uint8 array -> base64 PNG."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(frame_u8.transpose(1, 2, 0), mode="RGB").save(buffer, format="PNG", compress_level=1)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _unpng(data: str, where: str) -> Any:
-    """base64 PNG -> (3, H, W) float32 tensor in [0, 1]."""
-    import numpy as np
+def _dtypes() -> dict[str, Any]:
     import torch
-    from PIL import Image
 
-    try:
-        raw = base64.b64decode(data, validate=True)
-        with Image.open(io.BytesIO(raw)) as image:
-            if image.format != "PNG":
-                raise WireError(f"{where}: not a PNG ({image.format})")
-            if max(image.size) > MAX_SIDE:
-                raise WireError(f"{where}: {image.size[0]}x{image.size[1]} is larger than {MAX_SIDE} px")
-            array = np.array(image.convert("RGB"), dtype=np.uint8)
-    except WireError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is the client's bad input
-        raise WireError(f"{where}: not a readable base64 PNG ({type(exc).__name__}: {exc})") from None
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous().float() / 255  # (3, H, W) like a model output
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 
 
-def encode_output(output: Any) -> dict[str, Any]:
-    """One model output (a (3, H, W) image, a (3, F, H, W) video, or a string) as a wire OUTPUT."""
-    if isinstance(output, str):
-        return {"kind": "text", "text": output}
+def _as_tensor(output: Any) -> Any:
     import torch
 
     x = output.detach() if isinstance(output, torch.Tensor) else torch.as_tensor(output)
-    u8 = (x.float().cpu().clamp(0, 1) * 255).round().to(torch.uint8)  # the rounding of a saved 8-bit picture
-    if x.dim() == 3 and x.shape[0] == 3:
-        return {"kind": "image", "png": _png(u8.numpy())}
-    if x.dim() == 4 and x.shape[0] == 3:
-        return {"kind": "video", "frames": [_png(u8[:, f].numpy()) for f in range(u8.shape[1])]}
-    raise WireError(f"cannot send an output of shape {tuple(x.shape)}: expected an image (3, H, W), a video "
-                    "(3, F, H, W) or a string")
+    return x.cpu().contiguous()
 
 
-def decode_output(item: Any, where: str) -> Any:
-    """A wire OUTPUT -> a (3, H, W) / (3, F, H, W) float tensor in [0, 1], or a string."""
-    if not isinstance(item, dict):
-        raise WireError(f"{where}: expected an object with 'kind', got {type(item).__name__}")
-    kind = item.get("kind")
-    if kind == "image" and isinstance(item.get("png"), str):
-        return _unpng(item["png"], where)
-    if kind == "video" and isinstance(item.get("frames"), list) and item["frames"]:
-        import torch
+class EncodedRequest:
+    """A /score body, written as it is sent (``chunks``): nothing is copied beyond the CPU tensors themselves."""
 
-        frames = [_unpng(f, f"{where}.frames[{i}]") if isinstance(f, str) else None
-                  for i, f in enumerate(item["frames"])]
-        if any(f is None for f in frames) or len({tuple(f.shape) for f in frames}) != 1:
-            raise WireError(f"{where}: video frames must be base64 PNGs of one size")
-        return torch.stack(frames, dim=1)
-    if kind == "text" and isinstance(item.get("text"), str):
-        return item["text"]
-    raise WireError(f"{where}: expected {{'kind': 'image', 'png': B64}}, {{'kind': 'video', 'frames': [B64, ...]}} "
-                    f"or {{'kind': 'text', 'text': STR}}; got kind {kind!r} with keys {sorted(item)}")
+    def __init__(self, outputs: Sequence[Any], prompts: Sequence[str], inputs: Sequence[Any] | None = None):
+        if len(outputs) != len(prompts):
+            raise WireError(f"{len(outputs)} outputs for {len(prompts)} prompts")
+        names = {dtype: name for name, dtype in _dtypes().items()}
+        items: list[dict[str, Any]] = []
+        tensors: list[tuple[str, Any]] = []
+        for i, output in enumerate(outputs):
+            if isinstance(output, str):
+                items.append({"text": output})
+                continue
+            x = _as_tensor(output)
+            if x.dtype not in names:
+                raise WireError(f"cannot send outputs[{i}] of dtype {x.dtype}: expected one of "
+                                f"{', '.join(str(d) for d in names)}")
+            if x.dim() > MAX_DIMS:
+                raise WireError(f"cannot send outputs[{i}] with {x.dim()} dimensions (at most {MAX_DIMS})")
+            items.append({"tensor": f"outputs.{i}"})
+            tensors.append((f"outputs.{i}", x))
+        meta: dict[str, Any] = {"prompts": list(prompts), "outputs": items}
+        if inputs is not None:
+            meta["inputs"] = json.loads(json.dumps(list(inputs), default=str))
+        # widest elements first: every tensor's bytes then start at a multiple of its element size (the reader
+        # can view them in place)
+        tensors.sort(key=lambda nt: -nt[1].element_size())
+        header: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(meta)}}
+        offset = 0
+        for name, x in tensors:
+            size = x.numel() * x.element_size()
+            header[name] = {"dtype": names[x.dtype], "shape": list(x.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+        self.head = struct.pack("<Q", len(raw)) + raw
+        self.tensors = [x for _, x in tensors]
+        self.length = len(self.head) + offset
+
+    def chunks(self) -> Iterator[bytes | memoryview]:
+        yield self.head
+        for x in self.tensors:
+            if x.numel():
+                yield memoryview(x.reshape(-1).view(_u8()).numpy())
+
+    def to_bytes(self) -> bytes:
+        return b"".join(bytes(c) for c in self.chunks())
 
 
-def decode_request(body: Any) -> tuple[list[Any], list[str], list[Any] | None]:
-    """A /score body -> (outputs, prompts, inputs or None)."""
-    if not isinstance(body, dict):
-        raise WireError("the body must be a JSON object with 'prompts' and 'outputs'")
-    prompts, outputs, inputs = body.get("prompts"), body.get("outputs"), body.get("inputs")
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _loads(raw: bytes | str, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise WireError(f"{what} is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"{what} is not valid JSON ({exc})") from None
+
+
+def _read_exactly(read_into: Callable[[memoryview], int], view: memoryview, what: str) -> None:
+    done = 0
+    while done < len(view):
+        n = read_into(view[done:done + (1 << 20)])
+        if not n:
+            raise WireError(f"the body ended inside {what} ({done} of {len(view)} bytes)")
+        done += n
+
+
+def _sizes(value: Any) -> bool:
+    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+
+
+def _tensor_entry(name: str, entry: Any, dtypes: dict[str, Any]) -> tuple[Any, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise WireError(f"tensor {name!r}: expected 'dtype', 'shape' and 'data_offsets'")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in dtypes:
+        raise WireError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(dtypes)}")
+    if not _sizes(shape) or len(shape) > MAX_DIMS:
+        raise WireError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes >= 0")
+    if not _sizes(offsets) or len(offsets) != 2:
+        raise WireError(f"tensor {name!r}: data_offsets must be [begin, end]")
+    begin, end = offsets
+    size = math.prod(shape) * dtypes[dtype].itemsize
+    if end - begin != size:
+        raise WireError(f"tensor {name!r}: {dtype} {shape} takes {size} bytes, its data_offsets span {end - begin}")
+    return dtypes[dtype], tuple(shape), begin, end
+
+
+def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[list[Any], list[str], list[Any] | None]:
+    """A /score body of ``length`` bytes, read with ``read_into`` (a stream's ``readinto``) -> (outputs, prompts,
+    inputs or None). Everything but the tensors' bytes is read and checked first, so a body that does not
+    follow the format is refused after its header; the tensors are views of one buffer the size of their bytes."""
+    import torch
+
+    if length < 8:
+        raise WireError(f"a body of {length} bytes is too short for a safetensors header")
+    prefix = bytearray(8)
+    _read_exactly(read_into, memoryview(prefix), "the header length")
+    size = struct.unpack("<Q", prefix)[0]
+    if size > min(length - 8, MAX_HEADER):
+        raise WireError(f"the header length {size} is over the {min(length - 8, MAX_HEADER)} bytes left for it "
+                        "(is the body a safetensors file?)")
+    raw = bytearray(size)
+    _read_exactly(read_into, memoryview(raw), "the header")
+    header = _loads(bytes(raw), "the header")
+    del raw
+    if not isinstance(header, dict):
+        raise WireError("the header must be a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or not isinstance(metadata.get(META_KEY), str):
+        raise WireError(f"the header has no __metadata__[{META_KEY!r}] (the prompts and outputs, as JSON text)")
+    meta = _loads(metadata[META_KEY], f"__metadata__[{META_KEY!r}]")
+    if not isinstance(meta, dict):
+        raise WireError(f"__metadata__[{META_KEY!r}] must be a JSON object with 'prompts' and 'outputs'")
+    prompts, items, inputs = meta.get("prompts"), meta.get("outputs"), meta.get("inputs")
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise WireError("'prompts' must be a list of strings")
-    if not isinstance(outputs, list) or len(outputs) != len(prompts):
+    if not isinstance(items, list) or len(items) != len(prompts):
         raise WireError(f"'outputs' must be a list as long as 'prompts' ({len(prompts)})")
     if inputs is not None and (not isinstance(inputs, list) or len(inputs) != len(prompts)):
         raise WireError(f"'inputs' must be a list as long as 'prompts' ({len(prompts)}), or absent")
-    return [decode_output(o, f"outputs[{i}]") for i, o in enumerate(outputs)], prompts, inputs
+
+    dtypes = _dtypes()
+    entries = {name: _tensor_entry(name, entry, dtypes) for name, entry in header.items()}
+    data = length - 8 - size
+    end = 0
+    for name, (_, _, begin, stop) in sorted(entries.items(), key=lambda kv: kv[1][2:]):
+        if begin != end:
+            raise WireError(f"tensor {name!r} starts at byte {begin} of the data, not at {end}: tensors must "
+                            "follow each other with no gap or overlap")
+        end = stop
+    if end != data:
+        raise WireError(f"the tensors take {end} bytes, but the body has {data} after its header")
+    used: set[str] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and set(item) == {"text"} and isinstance(item["text"], str):
+            continue
+        name = item.get("tensor") if isinstance(item, dict) and set(item) == {"tensor"} else None
+        if not isinstance(name, str) or name not in entries or name in used:
+            raise WireError(f"outputs[{i}]: expected {{'tensor': NAME}} naming a tensor of the body not named "
+                            f"before, or {{'text': STR}}; got {str(item)[:100]}")
+        used.add(name)
+    if len(used) != len(entries):
+        raise WireError(f"tensors no output names: {sorted(set(entries) - used)[:5]}")
+
+    buffer = torch.empty(data, dtype=torch.uint8)
+    if data:
+        _read_exactly(read_into, memoryview(buffer.numpy()), "the tensors")
+    tensors = {}
+    for name, (dtype, shape, begin, stop) in entries.items():
+        piece = buffer[begin:stop]
+        if begin % dtype.itemsize:  # another writer's order: copy to an aligned buffer
+            piece = piece.clone()
+        tensors[name] = piece.view(dtype).reshape(shape)
+    outputs = [tensors[item["tensor"]] if "tensor" in item else item["text"] for item in items]
+    return outputs, prompts, inputs
+
+
+def decode_request(body: bytes) -> tuple[list[Any], list[str], list[Any] | None]:
+    """``read_request`` of a body held in memory."""
+    import io
+
+    return read_request(io.BytesIO(body).readinto, len(body))

@@ -43,7 +43,7 @@ def assign_group_advantages(samples: list[Any], *, global_std: bool, clip: float
     A_i = GA(sum_{k joint} w_k r_ik) + sum_{k own} w_k GA(r_k)_i, GA the group advantage, clipped after the
     sum (DanceGRPO / GDPO); a reward dropped for a group adds nothing to that group's advantages."""
     groups = torch.tensor([s.request.group for s in samples])
-    own = [r for r in rewards if getattr(r, "advantage", "joint") == "own"]
+    own = [r for r in rewards if r.advantage == "own"]
     if not own:
         adv = group_advantages(torch.tensor([s.reward for s in samples]), groups, global_std=global_std, clip=clip)
     else:

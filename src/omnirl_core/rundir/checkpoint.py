@@ -1,12 +1,15 @@
-"""Checkpoints: the one place that defines their format. Safetensors and JSON only (no pickle).
+"""Checkpoints: their directories, manifest and checksums. Safetensors and JSON only (no pickle). Each component
+writes and reads its own files (``TrainEngine.save_state``, ``Algorithm.save_checkpoint``; the worker gathers
+them, ``omnirl_core.loop.worker``); this module lays out the directory around them.
 
 Layout of ``<run>/checkpoints/step-000020/``:
-  pytorch_lora_weights.safetensors | transformer/   trained weights, in the layout diffusers reads
-  optimizer.safetensors, optimizer.json             optimizer tensors (flattened) and their metadata
+  pytorch_lora_weights.safetensors | transformer/   trained weights, in the layout diffusers reads (the model's)
+  optimizer.safetensors, optimizer.json             optimizer tensors (flattened) and their metadata (the train
+                                                    engine's; a sharded engine writes ``shards/`` instead)
   algorithm.json, algorithm.safetensors             the algorithm's own state (optional)
   eval-weights/                                     the weights the algorithm evaluates, when they are not the
                                                     trained ones (FlowGRPO's EMA): what `omnirl eval` loads
-  trainer_state.json                                step, the files, the controller's extra state
+  trainer_state.json                                step, the files the components wrote, the controller's state
   metrics.jsonl                                     the run's metrics rows 1..step, byte for byte
   checksums.json                                    SHA-256 of every file above; written last
 
@@ -35,11 +38,6 @@ CHECKSUMS = "checksums.json"
 TRAINER_STATE = "trainer_state.json"
 METRICS_COPY = "metrics.jsonl"
 TMP_PREFIX = ".tmp-step-"
-OPTIMIZER_TENSORS = "optimizer.safetensors"
-OPTIMIZER_META = "optimizer.json"
-ALGORITHM_STATE = "algorithm.json"
-ALGORITHM_TENSORS = "algorithm.safetensors"
-EVAL_WEIGHTS = "eval-weights"
 STEP_DIR = re.compile(r"step-(\d{6,})")
 
 
@@ -47,95 +45,6 @@ class CheckpointError(OmnirlError):
     """A checkpoint that cannot be trusted or read: names the file and says how to go on."""
 
     exit_code = EXIT_USAGE  # bad input on disk: the user decides (move it away, start over)
-
-
-def optimizer_to_tensors(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split an optimizer state into tensors (for safetensors) and JSON-able metadata; no pickle."""
-    import torch
-
-    state = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for pid, pstate in state["state"].items():
-        for key, value in pstate.items():
-            if torch.is_tensor(value):
-                tensors[f"{pid}.{key}"] = value.detach().cpu().contiguous()
-            else:
-                scalars.setdefault(str(pid), {})[key] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
-
-
-def optimizer_from_tensors(optimizer: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
-    state: dict[int, dict[str, Any]] = {}
-    for name, value in tensors.items():
-        pid, _, key = name.partition(".")
-        state.setdefault(int(pid), {})[key] = value
-    for pid, values in meta.get("scalars", {}).items():
-        state.setdefault(int(pid), {}).update(values)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-# -- files -----------------------------------------------------------------------------------------
-
-def save_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any, rank: int) -> list[str]:
-    """A train worker's part of a checkpoint: the trained weights in the layout diffusers / peft read (rank 0),
-    the optimizer (rank 0; a sharded engine (``trainer.sharded``) writes every rank's shard itself), and the
-    algorithm's own state (rank 0: an EMA sampler policy, a reference snapshot)."""
-    from safetensors.torch import save_file
-
-    from omnirl_core.weights import export_trained_state
-
-    files: list[str] = []
-    if getattr(trainer, "sharded", False):
-        files = trainer.save_shards(directory)  # a collective: every rank
-        full = export_trained_state(model, trainer)
-        if rank == 0:
-            files += model.save_trained(directory, state=full)
-    elif rank == 0:
-        files = model.save_trained(directory)
-        tensors, meta = optimizer_to_tensors(trainer.optimizer)
-        save_file(tensors, str(directory / OPTIMIZER_TENSORS))
-        (directory / OPTIMIZER_META).write_text(json.dumps(meta))
-        files += [OPTIMIZER_TENSORS, OPTIMIZER_META]
-    if algorithm is not None and algorithm.has_eval_policy:  # e.g. an EMA of the trained weights
-        with algorithm.eval_policy(model):
-            if getattr(trainer, "sharded", False):
-                full = export_trained_state(model, trainer)  # a collective: every rank
-                written = model.save_trained(directory / EVAL_WEIGHTS, state=full) if rank == 0 else []
-            else:
-                written = model.save_trained(directory / EVAL_WEIGHTS) if rank == 0 else []
-        files += [f"{EVAL_WEIGHTS}/{name}" for name in written]
-    if rank == 0 and algorithm is not None:
-        state = algorithm.state()
-        if state:
-            (directory / ALGORITHM_STATE).write_text(json.dumps(state, indent=2))
-            files.append(ALGORITHM_STATE)
-        tensors = algorithm.state_tensors()
-        if tensors:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                      str(directory / ALGORITHM_TENSORS))
-            files.append(ALGORITHM_TENSORS)
-    return files
-
-
-def load_worker_files(directory: Path, model: Any, trainer: Any, algorithm: Any) -> None:
-    """Load what ``save_worker_files`` wrote (``verify`` has checked every file). A worker without a trainer
-    (a rollout worker) loads the trained weights only."""
-    from safetensors.torch import load_file
-
-    if getattr(trainer, "sharded", False):
-        trainer.load_shards(directory)
-    else:
-        model.load_trained(directory)
-        if trainer is not None and (directory / OPTIMIZER_TENSORS).is_file():
-            optimizer_from_tensors(trainer.optimizer, load_file(str(directory / OPTIMIZER_TENSORS)),
-                                   read_json(directory / OPTIMIZER_META))
-    if trainer is None or algorithm is None:
-        return
-    if (directory / ALGORITHM_STATE).is_file():
-        algorithm.load_state(read_json(directory / ALGORITHM_STATE))
-    if (directory / ALGORITHM_TENSORS).is_file():
-        algorithm.load_state_tensors(load_file(str(directory / ALGORITHM_TENSORS)), model)
 
 
 def sha256(path: Path) -> str:
@@ -248,7 +157,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """Check every file of a checkpoint against its manifest; returns trainer_state.json."""
+    """Check a checkpoint against its manifest; returns trainer_state.json. Every file in the directory must be in
+    the manifest and match its checksum, and the manifest must hold what the format requires: the trainer state,
+    the metrics copy, and every path the components listed as written (``trainer_state.json``'s ``files``)."""
     earlier = [p.name for _, p in checkpoints(path.parent.parent) if p.name < path.name]
     fallback = (f"Move '{path}' away to resume from {earlier[-1]}, or start a new run."
                 if earlier else "Start a new run (--output-dir) or remove the damaged checkpoint.")
@@ -258,6 +169,8 @@ def verify(path: Path) -> dict[str, Any]:
                               "protocol, or the file was removed.", hint=fallback)
     try:
         sums = json.loads(manifest_path.read_text())["sha256"]
+        if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
+            raise TypeError("'sha256' is not a map of file names to checksums")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"Cannot read {manifest_path}: {exc}", hint=fallback) from exc
     problems = []
@@ -267,8 +180,19 @@ def verify(path: Path) -> dict[str, Any]:
             problems.append(f"  {file}: missing")
         elif sha256(file) != expected:
             problems.append(f"  {file}: content differs from its checksum (damaged or changed after saving)")
+    unlisted = [name for name in _files(path) if name != CHECKSUMS and name not in sums]
+    problems += [f"  {path / name}: not in {CHECKSUMS} (added after saving, or the manifest was cut)"
+                 for name in unlisted]
+    problems += [f"  {path / name}: required, but not in {CHECKSUMS}" for name in (TRAINER_STATE, METRICS_COPY)
+                 if name not in sums]
+    if not problems:  # trainer_state.json is verified now: the files the components wrote must be listed
+        written = read_json(path / TRAINER_STATE).get("files", [])
+        for name in written if isinstance(written, list) else []:
+            listed = (any(k.startswith(name) for k in sums) if str(name).endswith("/") else name in sums)
+            if not listed:
+                problems.append(f"  {path / name}: written by a component, but not in {CHECKSUMS}")
     if problems:
-        raise CheckpointError(f"Checkpoint {path} is damaged: {len(problems)} file(s) fail verification.",
+        raise CheckpointError(f"Checkpoint {path} is damaged: {len(problems)} problem(s) with its files.",
                               details=problems, hint=fallback)
     return read_json(path / TRAINER_STATE)
 

@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import RolloutEngine
 from omnirl_core.errors import OmnirlError, UsageError
 
 READY = "OMNIRL_SERVER_READY"
@@ -300,7 +301,7 @@ def server_args(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-class ServedRolloutEngine:
+class ServedRolloutEngine(RolloutEngine):
     """Base of rollout engines that run in a server process of their own environment (vllm-omni, vllm): the
     device choice, the environment's interpreter, one shared server, and weight sync when the trained weights
     changed (torch's in-place version counters of the trainable parameters). A subclass sets ``name``,
@@ -340,7 +341,7 @@ class ServedRolloutEngine:
         return self._server
 
     def _weights_version(self) -> tuple[int, ...]:
-        params = self.model.trainable_parameters() if hasattr(self.model, "trainable_parameters") else []
+        params = self.model.trainable_parameters()
         return tuple(p._version for p in params)
 
     def sync_weights(self, force: bool = False) -> dict[str, float]:

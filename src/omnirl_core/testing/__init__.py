@@ -26,7 +26,7 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
     reference policy."""
     import torch
 
-    from omnirl_core.interfaces import Conditioning
+    from omnirl_core.contracts import Conditioning
 
     assert isinstance(model.capabilities, frozenset) and "flow-matching" in model.capabilities
     shape = tuple(model.latent_shape(height, width, num_frames))
@@ -45,7 +45,7 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
     with torch.no_grad():
         v = model.velocity(x, s, Conditioning.cat(singles))
         assert v.dtype == torch.float32 and v.shape == x.shape, (v.dtype, v.shape)
-        guidance = getattr(model, "guidance", "cfg")
+        guidance = model.guidance
         if guidance != "none" and ("cfg" in model.capabilities or guidance == "embedded"):
             uncond = Conditioning.cat([model.encode([" "])] * len(prompts))
             guided = model.velocity(x, s, Conditioning.cat(singles), 4.0, uncond)
@@ -61,7 +61,7 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
 
 def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, plan: Any,
               guidance_scale: float, seed: int) -> list[Any]:
-    from omnirl_core.interfaces import GenRequest
+    from omnirl_core.contracts import GenRequest
 
     return [GenRequest(uid=i, prompt=p, prompt_index=i, group=i, seed=seed + 7 * i, height=height, width=width,
                        num_frames=num_frames, plan=plan, guidance_scale=guidance_scale)
@@ -75,8 +75,8 @@ def rollout(model: Any, requests: Sequence[Any], negative_prompt: str = " ") -> 
     the log-probs and ``extras`` ``cond`` / ``uncond`` as the trainer reads them."""
     import torch
 
+    from omnirl_core.contracts import Conditioning, Sample
     from omnirl_core.flow.sampler import sample_step
-    from omnirl_core.interfaces import Conditioning, Sample
 
     first = requests[0]
     plan, scale = first.plan, first.guidance_scale
@@ -106,7 +106,7 @@ def rollout(model: Any, requests: Sequence[Any], negative_prompt: str = " ") -> 
         outputs = model.decode(x)
     trajectory = torch.stack(states, dim=1)
     return [Sample(request=r, latents=trajectory[k], sigmas=sigmas.clone(), logprobs=logprobs[k], output=outputs[k],
-                   extras={"cond": conds[k], "uncond": uncond}) for k, r in enumerate(requests)]
+                   cond=conds[k], uncond=uncond) for k, r in enumerate(requests)]
 
 
 def trainable(model: Any, lora: bool = True, rank: int = 4) -> Any:
@@ -132,7 +132,7 @@ def check_batch_invariance(model: Any, height: int, width: int, num_frames: int 
     sigmas), to 1e-5: the rollout engines batch requests freely and the trainer re-batches transitions."""
     import torch
 
-    from omnirl_core.interfaces import Conditioning
+    from omnirl_core.contracts import Conditioning
 
     shape = tuple(model.latent_shape(height, width, num_frames))
     singles = [model.encode([p]) for p in prompts]
@@ -156,8 +156,8 @@ def check_logprob_consistency(model: Any, height: int, width: int, num_frames: i
     ratio is 1), and the log-prob is differentiable in the trainable parameters."""
     import torch
 
+    from omnirl_core.contracts import RolloutPlan
     from omnirl_core.flow.policy_gradient import Transition, transition_stats
-    from omnirl_core.interfaces import RolloutPlan
 
     plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=eta)
     samples = rollout(model, _requests(prompts, height, width, num_frames, plan, guidance_scale, 100))
@@ -265,7 +265,7 @@ def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
     import torch
 
     from omnirl_core.ar.sampling import sample_tokens, sampling_logprobs
-    from omnirl_core.interfaces import Sample
+    from omnirl_core.contracts import Sample
 
     out = []
     head = model.module.get_output_embeddings()
@@ -399,9 +399,10 @@ def reward_rise(run_dir: Any, key: str = "reward/mean", window: int = 10) -> tup
     return statistics.fmean(first), statistics.fmean(last), se
 
 
-def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model: str = "qwen-image",
-                       algo: str = "flowgrpo") -> tuple[float, float, float]:
-    """A reward plugin's end-to-end check: ``omnirl train`` on the model's tiny preset with ``--reward reward``
+def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model: str,
+                       algo: str) -> tuple[float, float, float]:
+    """A reward plugin's end-to-end check: ``omnirl train --model model --algo algo`` on the model's tiny preset
+    with ``--reward reward``
     (``args``: more flags, e.g. ``--set rewards.0.options.preset=tiny``) for ``steps`` steps, through the real
     CLI; the mean reward of the last 10 steps must exceed the first 10's by at least 2 standard errors."""
     from omnirl_core.testing.forkserver import run_omnirl
@@ -415,8 +416,8 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     return first, last, se
 
 
-def check_reward_in_a_run(run_dir: Any, reward: str, *args: str, steps: int = 2, model: str = "qwen-image",
-                          algo: str = "flowgrpo") -> list[dict[str, Any]]:
+def check_reward_in_a_run(run_dir: Any, reward: str, *args: str, model: str, algo: str,
+                          steps: int = 2) -> list[dict[str, Any]]:
     """A reward plugin's end-to-end wiring: ``omnirl train`` on the model's tiny preset with ``--reward reward``
     for ``steps`` steps through the real CLI. Every step has its row with a finite ``reward/<reward>``, and the
     scores differ between the samples of a step. (That training raises the reward is ``check_reward_rises``, a

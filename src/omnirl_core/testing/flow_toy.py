@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from omnirl_core.contracts import Conditioning
 from omnirl_core.flow.model import (
     DenoiserModel,
     check_size,
@@ -16,7 +17,6 @@ from omnirl_core.flow.model import (
     shifted_sigmas,
     unpack_2x2,
 )
-from omnirl_core.interfaces import Conditioning
 
 
 class ToyFlowModel(DenoiserModel):

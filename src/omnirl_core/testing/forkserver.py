@@ -50,11 +50,10 @@ RUNTIME_KEYS = ("PYTEST_CURRENT_TEST", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCA
 PRELOAD = (
     "omnirl_cli.main",  # first: it sets the thread policy's environment before torch loads, as the script does
     "torch", "numpy", "PIL.Image", "safetensors.torch", "yaml", "peft", "diffusers", "transformers",
-    "diffusers.models.transformers.transformer_qwenimage", "diffusers.models.autoencoders.autoencoder_kl_qwenimage",
-    "diffusers.schedulers.scheduling_flow_match_euler_discrete",
-    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.qwen2.tokenization_qwen2",
     "omnirl_core.loop.controller",
 )
+"""Imported before the server forks; then the factory modules of the installed models and engines
+(``plugin_modules``), which import the model classes a command loads."""
 
 
 def omnirl_script() -> Path:
@@ -249,10 +248,26 @@ atexit.register(_servers.stop)
 
 # -- the server ---------------------------------------------------------------------------------
 
+def plugin_modules() -> list[str]:
+    """The modules of the installed model and engine plugins' factories (``"module:attr"`` specs), found by a plugin
+    manager of its own (the process-wide one is left unbuilt: a command builds it from its own environment)."""
+    from omnirl_core.plugins import PluginManager
+
+    manager = PluginManager()
+    manager.load_entry_points()
+    return sorted({spec.factory.partition(":")[0] for kind in ("model", "engine") for spec in manager.registries[kind]
+                   if isinstance(spec.factory, str)})
+
+
 def _preload() -> None:
     import importlib
 
-    for name in PRELOAD:
+    try:
+        modules = [*PRELOAD, *plugin_modules()]
+    except Exception as exc:  # noqa: BLE001 - a broken plugin is reported by the commands that need it
+        sys.stderr.write(f"fork server: plugins not listed for preloading: {exc}\n")
+        modules = list(PRELOAD)
+    for name in modules:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a command that needs it imports it itself, and fails there

@@ -17,9 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import RolloutPlan, Sample
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition
-from omnirl_core.interfaces import RolloutPlan, Sample
 from omnirl_core.rl.advantage import group_advantages
 
 

@@ -16,7 +16,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
-from omnirl_core.interfaces import Conditioning, EncodesImages, RolloutPlan, Sample
 from omnirl_core.rl.ema import ShadowParameters
 
 
@@ -60,9 +60,11 @@ class DPOConfig(BaseModel):
 
 
 @dataclass
-class PreferencePair:
+class PreferencePair(TrainingUnit):
     """One (eps, s) draw of a preference pair. Online pairs carry latents; offline pairs carry image paths
     until ``prepare`` encodes them."""
+
+    sample: ClassVar[None] = None  # a unit of no single sample
 
     prompt: str
     step: int
@@ -180,7 +182,7 @@ class DiffusionDPO(Algorithm):
                 x_w, x_l = win.latents[-1].float(), lose.latents[-1].float()
                 for eps, s in self._draws(win.request.seed ^ lose.request.seed, x_w):
                     units.append(PreferencePair(prompt=win.prompt, step=self._step, eps=eps, sigma=s, chosen=x_w,
-                                                rejected=x_l, cond=win.extras["cond"],
+                                                rejected=x_l, cond=win.cond,
                                                 reward_gap=win.reward - lose.reward))
         return units
 
@@ -202,7 +204,7 @@ class DiffusionDPO(Algorithm):
 
     # -- update --------------------------------------------------------------------------------
     def _encode_offline(self, model: Any, units: list[PreferencePair]) -> None:
-        if not isinstance(model, EncodesImages):
+        if not model.encodes_images:
             raise UsageError(
                 f"DPO offline mode needs a model that encodes images to latents; {type(model).__name__} has no "
                 "encode_images.",

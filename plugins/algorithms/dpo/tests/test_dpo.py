@@ -16,8 +16,8 @@ from omnirl_plugin_dpo.algorithm import DiffusionDPO, DPOConfig, dpo_loss, load_
 from PIL import Image
 
 from omnirl_core.config import ModelSection, RunConfig
+from omnirl_core.contracts import GenRequest
 from omnirl_core.errors import ConfigError
-from omnirl_core.interfaces import GenRequest
 from omnirl_core.loop.training import MetricMean, prepare_all
 from omnirl_core.testing.forkserver import run_omnirl
 
@@ -53,7 +53,7 @@ def _samples(model, rewards: list[list[float]]) -> list[SimpleNamespace]:
             request = GenRequest(uid=uid, prompt=PROMPTS[group % 2], prompt_index=group, group=group, seed=100 + uid,
                                  height=32, width=32, plan=None)
             out.append(SimpleNamespace(request=request, prompt=request.prompt, reward=r,
-                                       latents=torch.randn(5, *shape, generator=g), extras={"cond": cond}))
+                                       latents=torch.randn(5, *shape, generator=g), cond=cond))
             uid += 1
     return out
 

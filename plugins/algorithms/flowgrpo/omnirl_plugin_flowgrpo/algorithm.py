@@ -14,10 +14,15 @@ reduces over the latent elements: the mean (flow_grpo's, and omnirl's default: b
 resolution) or the sum (the KL of whole transitions in nats).
 
 EMA (``ema: true``, flow_grpo's ``train.ema``): a moving average of the trained weights (the LoRA adapters, or
-every trained parameter), starting from the initial weights. After optimizer step k (counted from 1), when
-(k + 1) is a multiple of ``ema_interval``: ema <- d ema + (1 - d) theta with d = min(ema_decay, (1 + k) / (10 + k)),
-as flow_grpo's EMA step does when it is called once per optimizer step (flow_grpo calls it once per micro-batch,
-so with G accumulated micro-batches it folds the same weights in G times in a row at those k). It is
+every trained parameter), starting from the initial weights. A fold with clock k (optimizer steps so far) and
+the weights theta as they are then, when (k + 1) is a multiple of ``ema_interval``: ema <- d ema + (1 - d) theta
+with d = min(ema_decay, (1 + k) / (10 + k)) (flow_grpo's ``EMAModuleWrapper.step``). ``ema_step: update`` folds
+once after each optimizer step. ``ema_step: microbatch`` folds as flow_grpo's train_sd3.py does: after each of
+its micro-batches (``train.batch_size`` samples through every trained step), so G times per optimizer step with
+G accumulated micro-batches, the first G - 1 with the weights and clock of the previous optimizer step and the
+last after the step. Here a micro-batch of that kind is ``train.micro_batch_size`` samples (the recipes map
+flow_grpo's batch of b samples to micro-batches of b transitions), so G = ceil(m / T) with m the micro-batches
+this rank ran for the optimizer step (``loss`` calls) and T the trained steps per sample. The EMA is
 what the run evaluates (``run.eval_every``) and what checkpoints offer for use (``eval-weights/``, loaded by
 ``omnirl eval`` / ``omnirl sample``); the rollout and the update use the trained weights, and a resume restores both.
 """
@@ -32,10 +37,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import RolloutPlan
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch
 from omnirl_core.flow.sampler import gaussian_kl
-from omnirl_core.interfaces import RolloutPlan
 from omnirl_core.rl.ema import ShadowParameters
 
 
@@ -60,6 +65,11 @@ class FlowGRPOConfig(BaseModel):
                              "step k is min(ema_decay, (1 + k) / (10 + k)).")
     ema_interval: int = Field(8, ge=1, description="Fold the weights into the EMA after optimizer step k when k + 1 "
                               "is a multiple of this (flow_grpo: 8).")
+    ema_step: Literal["update", "microbatch"] = Field(
+        "update", description="How often the EMA is folded: update, once per optimizer step; microbatch, once per "
+        "micro-batch of micro_batch_size samples (each through every trained step) as flow_grpo's train_sd3.py "
+        "does, i.e. its gradient-accumulation count per optimizer step. See the plugin README."
+    )
     adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
     global_std: bool = Field(True, description="Normalise advantages by the batch std (True) or per group.")
     window: int | None = Field(
@@ -89,6 +99,7 @@ class FlowGRPO(FlowPolicyGradient):
         self.has_eval_policy = o.ema
         self.ema_weights: ShadowParameters | None = None
         self.optimizer_steps = 0  # the EMA's clock (checkpointed)
+        self.microbatches = 0  # loss calls since the last minibatch ended (0 between steps: never checkpointed)
 
     def plan(self, step: int) -> RolloutPlan:
         return self._plan
@@ -110,20 +121,37 @@ class FlowGRPO(FlowPolicyGradient):
         """The decay at optimizer step ``k`` (from 1): flow_grpo's warm-up, capped at ``ema_decay``."""
         return min(self.options.ema_decay, (1 + k) / (10 + k))
 
+    def _fold(self, ema: ShadowParameters, times: int = 1) -> None:
+        """``times`` EMA steps with the current clock and weights (flow_grpo's ``ema.step(params, step)``)."""
+        k = self.optimizer_steps
+        if (k + 1) % self.options.ema_interval == 0:
+            for _ in range(times):
+                ema.update(self.ema_decay(k))
+
     def loss(self, model: Any, units: list[Transition], first_update: bool = False, correction: bool = False):
         if self.options.ema:
             self._ema(model)
+            if not correction:
+                self.microbatches += 1
         loss, metrics = super().loss(model, units, first_update, correction)
         if self.options.ema and first_update:
             metrics["flowgrpo/ema_lag_rms"] = self._ema(model).distance()
         return loss, metrics
 
+    def finish_minibatch(self, units: list[Transition]) -> tuple[list[Transition], dict[str, float]]:
+        """Before the minibatch's optimizer step. ``ema_step: microbatch``: the folds of all but the last of its
+        flow_grpo-sized micro-batches (G - 1), with the weights and clock of the previous optimizer step."""
+        if self.options.ema and self.options.ema_step == "microbatch" and self.ema_weights is not None:
+            flow_grpo_microbatches = -(-self.microbatches // len(self._plan.train_steps))
+            self._fold(self.ema_weights, max(flow_grpo_microbatches - 1, 0))
+        self.microbatches = 0
+        return super().finish_minibatch(units)
+
     def after_optimizer_step(self, model: Any) -> None:
         if not self.options.ema:
             return
         self.optimizer_steps += 1
-        if (self.optimizer_steps + 1) % self.options.ema_interval == 0:
-            self._ema(model).update(self.ema_decay(self.optimizer_steps))
+        self._fold(self._ema(model))  # update: the step's one fold; microbatch: that of its last micro-batch
 
     def eval_policy(self, model: Any) -> Any:
         return self._swapped(model) if self.options.ema else nullcontext()

@@ -15,8 +15,8 @@ import torch
 from omnirl_plugin_flowgrpo.algorithm import FlowGRPO, FlowGRPOConfig, kl_term
 from safetensors.torch import load_file
 
+from omnirl_core.algorithm import ALGORITHM_TENSORS, EVAL_WEIGHTS
 from omnirl_core.config import RunConfig
-from omnirl_core.rundir.checkpoint import ALGORITHM_TENSORS, EVAL_WEIGHTS
 from omnirl_core.testing.forkserver import run_omnirl
 
 

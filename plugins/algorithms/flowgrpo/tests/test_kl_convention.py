@@ -14,9 +14,9 @@ import torch
 from omnirl_plugin_flowgrpo.algorithm import FlowGRPO, FlowGRPOConfig, kl_term
 
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import Conditioning, GenRequest, Sample
 from omnirl_core.flow.policy_gradient import transition_stats
 from omnirl_core.flow.sampler import step_mean
-from omnirl_core.interfaces import Conditioning, GenRequest, Sample
 from omnirl_core.loop.training import MetricMean, prepare_all
 
 SIGMAS = torch.tensor([1.0, 0.82, 0.61, 0.37, 0.0])  # starts at 1: flow_grpo's sigma_max substitution is exercised
@@ -78,7 +78,7 @@ def _samples(algo: FlowGRPO, n: int = 3, seed: int = 1) -> list[Sample]:
         latents = torch.randn(len(SIGMAS), 4, 6, 6, generator=g)
         cond = Conditioning({"bias": torch.randn(1, 4, generator=g)})
         sample = Sample(request, latents, SIGMAS.clone(), torch.full((len(SIGMAS) - 1,), float("nan")), None,
-                        advantage=float(i - 1), extras={"cond": cond})
+                        advantage=float(i - 1), cond=cond)
         out.append(sample)
     return out
 
@@ -116,7 +116,7 @@ def _flow_grpo_reference_kl(units, model: LinearFlow, sde_type: str, noise_level
         sample = torch.stack([u.sample.latents[step] for u in batch])
         sigma = torch.stack([u.sample.sigmas[step] for u in batch]).view(-1, 1, 1, 1)
         sigma_prev = torch.stack([u.sample.sigmas[step + 1] for u in batch]).view(-1, 1, 1, 1)
-        cond = Conditioning.cat([u.sample.extras["cond"] for u in batch])
+        cond = Conditioning.cat([u.sample.cond for u in batch])
         s = sigma.flatten()
         mean, std_dev_t = flow_grpo_step(model.velocity(sample, s, cond), sample, sigma, sigma_prev, SIGMAS[1].item(),
                                          noise_level, sde_type)
@@ -150,7 +150,7 @@ def test_exact_convention_is_the_gaussian_kl_and_larger_by_one_over_d_on_every_s
     for u in units:
         x = u.sample.latents[u.step][None]
         s, s_next = u.sample.sigmas[u.step].view(1), u.sample.sigmas[u.step + 1].view(1)
-        cond = u.sample.extras["cond"]
+        cond = u.sample.cond
         with torch.no_grad():
             mean, std = step_mean("sde", x, model.velocity(x, s, cond), s, s_next, ETA, SIGMAS[1].view(1))
             with model.reference():

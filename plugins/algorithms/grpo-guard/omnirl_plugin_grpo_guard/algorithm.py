@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import RolloutPlan
 from omnirl_core.flow.policy_gradient import (
     FlowPolicyGradient,
     Transition,
@@ -25,7 +26,6 @@ from omnirl_core.flow.policy_gradient import (
     clipped_surrogate,
 )
 from omnirl_core.flow.sampler import mean_over_dims
-from omnirl_core.interfaces import RolloutPlan
 
 
 class GRPOGuardConfig(BaseModel):

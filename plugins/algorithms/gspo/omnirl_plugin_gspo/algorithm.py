@@ -20,8 +20,8 @@ from omnirl_core.config import RunConfig
 
 class _TokenPGConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    beta: float = Field(0.0, ge=0, description="KL weight to the base model (k3 estimator per token); 0 turns it "
-                        "off and skips the reference forward.")
+    beta: float = Field(0.0, ge=0, description="KL weight to the base model (k3 estimator per token, on the "
+                        "distributions before the top-k / top-p cut); 0 turns it off and skips the reference forward.")
     adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
     global_std: bool = Field(False, description="Normalise advantages by the batch std (True) or per group "
                              "(False, as in the papers).")

@@ -21,9 +21,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import RolloutPlan
 from omnirl_core.errors import ConfigError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import RolloutPlan
 
 
 class MixGRPOConfig(BaseModel):

@@ -156,7 +156,7 @@ def test_dpm2_without_history_and_on_the_last_step_is_euler():
 def test_flash_rollout_runs_the_schedule_subset_with_second_order_steps():
     """Through the installed rollout engine and the tiny Qwen-Image model (found by name, like a run does)."""
     from omnirl_core.config import ModelSection
-    from omnirl_core.interfaces import GenRequest
+    from omnirl_core.contracts import GenRequest
     from omnirl_core.plugins import PluginManager
 
     manager = PluginManager()
@@ -172,7 +172,7 @@ def test_flash_rollout_runs_the_schedule_subset_with_second_order_steps():
     assert torch.equal(sample.sigmas, model.sigmas(8, shape)[[0, 1, 2, 4, 6, 8]])
     assert torch.isfinite(sample.logprobs[:2]).all() and torch.isnan(sample.logprobs[2:]).all()
     # replay the dpm2 steps from the stored trajectory: each used the previous step's data prediction
-    cond = sample.extras["cond"]
+    cond = sample.cond
     with torch.no_grad():
         for i in (2, 3):  # step 4 goes to sigma 0: first order by construction
             x_prev, x, s_prev, s, s_next = (sample.latents[i - 1][None], sample.latents[i][None],

@@ -2,7 +2,9 @@
 
 No log-probs and no SDE: the rollout samples with the *sampler policy* (an EMA of the trained weights,
 swapped in around the rollout by ``rollout_policy``) and a deterministic ODE. Each sample's reward becomes an
-optimality probability r = 0.5 + 0.5 * clip((r_raw - group mean) / Z, -1, 1). Training draws eps and a level
+optimality probability r = 0.5 + 0.5 * clip(A, -c, c) / c with A = (r_raw - group mean) / std and c =
+``adv_clip``: 5 (the default) is NVlabs' trainer (clip(A, -5, 5) / 5 / 2 + 0.5, i.e. the paper's formula with
+Z = 5 std), 1 the paper's r = 0.5 + 0.5 * clip(A, -1, 1) (Z = std). Training draws eps and a level
 s for each clean latent x0, x_s = (1 - s) x0 + s eps, and with v_old the sampler policy's velocity (frozen)
 and v the current one:
   v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
@@ -21,16 +23,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
-from omnirl_core.interfaces import Conditioning, RolloutPlan, Sample
 from omnirl_core.rl.advantage import group_advantages
 from omnirl_core.rl.ema import ShadowParameters
 
@@ -39,6 +41,11 @@ class NFTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     beta: float = Field(1.0, gt=0, description="Guidance strength beta of the implicit policies (1.0; 0.1 for OCR).")
     global_std: bool = Field(True, description="Z: the batch std of the rewards (True) or each group's std.")
+    adv_clip: float = Field(
+        5.0, gt=0, description="Optimality r = 0.5 + 0.5 * clip(A, -adv_clip, adv_clip) / adv_clip, A the reward's "
+        "advantage (r_raw - group mean) / std: 5 is NVlabs' trainer (r = 0.5 + A / 10, within [0.3, 0.7] while "
+        "|A| <= 2), 1 the paper's formula (Z = std, r spans [0, 1])."
+    )
     loss_space: Literal["x0-adaptive", "velocity"] = Field(
         "x0-adaptive", description="'x0-adaptive': x0-space errors over their detached mean abs error (the "
         "reference project); 'velocity': the velocity-space squared errors of the paper's formula."
@@ -60,8 +67,10 @@ class NFTConfig(BaseModel):
 
 
 @dataclass
-class NFTUnit:
+class NFTUnit(TrainingUnit):
     """One (eps, s) draw on one rollout sample's clean latent."""
+
+    sample: ClassVar[None] = None  # a unit of no single sample
 
     x0: torch.Tensor
     eps: torch.Tensor
@@ -72,9 +81,12 @@ class NFTUnit:
     v_ref: torch.Tensor | None = None
 
 
-def optimality(rewards: torch.Tensor, groups: torch.Tensor, global_std: bool, eps: float = 1e-8) -> torch.Tensor:
-    """r = 0.5 + 0.5 * clip((r_raw - group mean) / Z, -1, 1), Z the batch or group std (population)."""
-    return 0.5 + 0.5 * group_advantages(rewards, groups, global_std=global_std, eps=eps, clip=1.0)
+def optimality(rewards: torch.Tensor, groups: torch.Tensor, global_std: bool, *, clip: float,
+               eps: float = 1e-8) -> torch.Tensor:
+    """r = 0.5 + 0.5 * clip(A, -clip, clip) / clip, A = (r_raw - group mean) / std, std the batch's or the group's
+    (population): the paper's 0.5 + 0.5 clip((r_raw - mean) / Z, -1, 1) with Z = clip x std."""
+    adv = group_advantages(rewards, groups, global_std=global_std, eps=eps, clip=clip)
+    return 0.5 + 0.5 * adv / clip
 
 
 def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor,
@@ -154,7 +166,7 @@ class DiffusionNFT(Algorithm):
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
         rewards = torch.tensor([s.reward for s in samples])
         groups = torch.tensor([s.request.group for s in samples])
-        r = optimality(rewards, groups, self.options.global_std)
+        r = optimality(rewards, groups, self.options.global_std, clip=self.options.adv_clip)
         for sample, value in zip(samples, r.tolist()):
             sample.advantage = value
         return {"nft/optimality_mean": float(r.mean()), "nft/optimality_abs_dev": float((r - 0.5).abs().mean())}
@@ -169,7 +181,7 @@ class DiffusionNFT(Algorithm):
                 eps = torch.randn(x0.shape, generator=gen, dtype=torch.float32)
                 s = training_sigmas(1, gen, o.sigma_sampling, o.sigma_min, o.sigma_max)[0]
                 units.append(NFTUnit(x0=x0, eps=eps, sigma=s, optimality=sample.advantage,
-                                     cond=sample.extras["cond"]))
+                                     cond=sample.cond))
         return units
 
     # -- update --------------------------------------------------------------------------------

@@ -31,10 +31,10 @@ def test_optimality_probability_matches_a_numpy_computation():
     expected_global = 0.5 + 0.5 * np.clip(centred / rewards.std(), -1, 1)
     group_std = np.array([rewards[groups == g].std() for g in groups])
     expected_group = 0.5 + 0.5 * np.clip(centred / group_std, -1, 1)
-    r = torch.tensor(rewards)
-    np.testing.assert_allclose(optimality(r, torch.tensor(groups), True).numpy(), expected_global, rtol=1e-5)
-    np.testing.assert_allclose(optimality(r, torch.tensor(groups), False).numpy(), expected_group, rtol=1e-5)
-    assert optimality(r, torch.tensor(groups), False).min() >= 0 and optimality(r, torch.tensor(groups), False).max() <= 1
+    r, g = torch.tensor(rewards), torch.tensor(groups)
+    np.testing.assert_allclose(optimality(r, g, True, clip=1.0).numpy(), expected_global, rtol=1e-5)
+    np.testing.assert_allclose(optimality(r, g, False, clip=1.0).numpy(), expected_group, rtol=1e-5)
+    assert optimality(r, g, False, clip=1.0).min() >= 0 and optimality(r, g, False, clip=1.0).max() <= 1
 
 
 def _tensors(seed: int = 0, n: int = 3):

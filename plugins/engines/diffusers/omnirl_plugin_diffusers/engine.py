@@ -10,10 +10,16 @@ batches) and ``single`` (one request at a time).
 Batch invariance: every request draws its initial latent and its step noise from its own seeded
 generators, and its conditioning does not depend on which prompts it was encoded with, so a sample's
 latents and log-probs do not depend on what shared its batches (up to float rounding of the batched call).
+
+Model calls (text encoding, velocity, VAE decode) run through ``interruptible``: a stop signal ends a rollout within
+a second even inside one long call (a 2048x2048 decode on a CPU is minutes of one native call), and a rollout that
+takes long says how far it is (``_Progress``: denoising steps done, an estimate of what is left).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import threading
 import time
@@ -24,14 +30,19 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Conditioning, GenRequest, RolloutEngine, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.embedding_cache import EmbeddingCache
 from omnirl_core.flow.sampler import sample_step
-from omnirl_core.interfaces import Conditioning, GenRequest, Sample
+from omnirl_core.loop.interrupts import interruptible
 from omnirl_plugin_diffusers.scheduler import Batch, Scheduler, Slot, StaticScheduler, StepScheduler
 from omnirl_plugin_diffusers.stats import RolloutStats
 
+log = logging.getLogger("omnirl")
+
 _FP32_BYTES = 4
+PROGRESS_AFTER_S = 15.0
+"""A rollout that has run this long reports its progress (and again at most this often)."""
 AUTO_DECODE_BATCH = 8
 """``decode_batch: auto``'s batch while requests queue (the static modes decode up to ``max_num_seqs`` at once)."""
 
@@ -83,13 +94,68 @@ class _Trajectory:
     history: tuple[torch.Tensor, torch.Tensor] | None = None  # last step's (x0 prediction, sigma): dpm2
 
 
-class DiffusersRolloutEngine:
+class _Progress:
+    """How far one ``generate`` call is, said when it takes long: denoising steps (one request advanced by one
+    step) done of those queued, and an estimate of the time left at the rate so far. Silent for a rollout shorter
+    than ``PROGRESS_AFTER_S``."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.total = self.done = self.samples = self.finished = 0
+
+    def add(self, num_steps: int) -> None:
+        self.total += num_steps
+        self.samples += 1
+
+    def step(self, rows: int) -> None:
+        self.done += rows
+        self.report()
+
+    def decoded(self, count: int) -> None:
+        self.finished += count
+        self.report()
+
+    def report(self, running: str = "") -> None:
+        now = time.perf_counter()
+        if now - self.start < PROGRESS_AFTER_S or now - self.last < PROGRESS_AFTER_S:
+            return
+        self.last = now
+        elapsed = now - self.start
+        left = (f"; about {_duration(elapsed * (self.total - self.done) / self.done)} of denoising left (estimate)"
+                if self.done else "")
+        log.info("rollout: %d of %d denoising steps done (%d requests, %d of them finished) in %s%s%s",
+                 self.done, self.total, self.samples, self.finished, _duration(elapsed), left,
+                 f"; {running}" if running else "")
+
+    def waiting(self, what: str) -> Any:
+        """A heartbeat for ``interruptible``: progress while one long call runs."""
+        return lambda seconds: self.report(f"{what}, running for {_duration(seconds)}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _no_grad(fn: Any, device: torch.device) -> Any:
+    """``fn`` as the engine's thread would run it: without autograd, on the engine's CUDA device (both are the
+    calling thread's own state, which a helper thread does not share)."""
+    def call() -> Any:
+        with torch.no_grad():
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    return fn()
+            return fn()
+    return call
+
+
+class DiffusersRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, options: DiffusersRolloutOptions | None, device: Any):
         self.model = model
         self.options = options or DiffusersRolloutOptions()
         self.device = torch.device(device)
         self.embeddings = EmbeddingCache(model, self.options.embedding_cache_size)
         self.stats = RolloutStats(self.options.mode, self._max_num_seqs())
+        self.progress = _Progress()
         self._inbox: list[tuple[GenRequest, float]] = []
         self._wakeup = threading.Condition()
         self._sigmas: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
@@ -110,6 +176,7 @@ class DiffusersRolloutEngine:
         with self._wakeup:
             self._inbox.extend((r, start + r.arrival_s) for r in requests)
         self.stats = RolloutStats(self.options.mode, self._max_num_seqs(), started=start)
+        self.progress = _Progress()
         encode_before = self.embeddings.stats.as_dict()
         try:
             yield from self._serve(self._new_scheduler())
@@ -166,6 +233,7 @@ class DiffusersRolloutEngine:
             shape = tuple(self.model.latent_shape(request.height, request.width, request.num_frames))
             slot = Slot(request=request, key=(shape, float(request.guidance_scale)),
                         nbytes=math.prod(shape) * _FP32_BYTES, num_steps=request.plan.num_steps, arrival=arrival)
+            self.progress.add(request.plan.num_steps)
             try:
                 scheduler.add(slot)
             except ValueError as exc:
@@ -196,8 +264,11 @@ class DiffusersRolloutEngine:
 
     def _activate(self, slots: list[Slot]) -> None:
         """Conditioning (one text-encoder call for the prompts not cached) and the initial latents."""
-        conds = self.embeddings.lookup([s.request.prompt for s in slots])
-        uncond = self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
+        def encode() -> tuple[list[Conditioning], Conditioning | None]:
+            conds = self.embeddings.lookup([s.request.prompt for s in slots])
+            return conds, self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
+
+        conds, uncond = interruptible(_no_grad(encode, self.device), self.progress.waiting("encoding prompts"))
         for slot, cond in zip(slots, conds):
             r = slot.request
             shape = slot.key[0]
@@ -235,7 +306,9 @@ class DiffusersRolloutEngine:
         s_now = torch.stack([s.state.sigmas[min(s.step, s.num_steps)] for s in slots]).to(self.device)
         cond, uncond = self._conditioning(batch)
         scale = float(batch.key[1])
-        v = self.model.velocity(x, s_now, cond, scale, uncond)
+        step = f"{min(s.step for s in batch.rows) + 1} of {batch.rows[0].num_steps}"
+        v = interruptible(_no_grad(lambda: self.model.velocity(x, s_now, cond, scale, uncond), self.device),
+                          self.progress.waiting(f"denoising step {step} for {len(batch.rows)} request(s)"))
         t1 = time.perf_counter()
         groups: dict[tuple[str, float], list[int]] = {}
         for j, s in enumerate(batch.rows):
@@ -274,6 +347,7 @@ class DiffusersRolloutEngine:
         stats.padding_rows += len(batch.padding)
         stats.useful_cost += row_cost * len(batch.rows)
         stats.padding_cost += row_cost * len(batch.padding)
+        self.progress.step(len(batch.rows))
 
     def _retire(self, slots: list[Slot]) -> Iterator[Sample]:
         """Decode finished requests (one VAE call per latent shape) and hand them out."""
@@ -282,9 +356,11 @@ class DiffusersRolloutEngine:
             buckets.setdefault(s.key[0], []).append(s)  # the key's shape: guidance does not change decoding
         for group in buckets.values():
             t0 = time.perf_counter()
-            with torch.no_grad():
-                images = self.model.decode(torch.stack([s.state.x for s in group]))
+            latents = torch.stack([s.state.x for s in group])
+            images = interruptible(_no_grad(functools.partial(self.model.decode, latents), self.device),
+                                   self.progress.waiting(f"decoding {len(group)} sample(s)"))
             finished = time.perf_counter()
+            self.progress.decoded(len(group))
             self.stats.seconds["decode"] += finished - t0
             self.stats.decode_calls += 1
             for s, image in zip(group, images):
@@ -296,4 +372,4 @@ class DiffusersRolloutEngine:
                 # whole batch's storage
                 yield Sample(request=s.request, latents=torch.stack(t.states), sigmas=t.sigmas.clone(),
                              logprobs=t.logprobs, output=image.clone(),
-                             extras={"cond": t.cond, "uncond": t.uncond})
+                             cond=t.cond, uncond=t.uncond)

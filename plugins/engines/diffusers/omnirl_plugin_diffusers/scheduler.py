@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_core.interfaces import GenRequest
+from omnirl_core.contracts import GenRequest
 
 
 @dataclass(eq=False)

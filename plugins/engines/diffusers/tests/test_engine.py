@@ -11,9 +11,9 @@ import torch
 from omnirl_plugin_diffusers.engine import DiffusersRolloutEngine, DiffusersRolloutOptions
 
 from omnirl_core.config import LoraConfig, RunConfig
+from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
 
 PROMPTS = ["a red square", "a blue square on a long green field under a grey sky", "cat"]
 
@@ -236,7 +236,7 @@ def test_embedding_cache_encodes_each_prompt_once_and_shares_it(model):
     # 'a red square', 'cat' and the negative prompt, each once
     assert engine.stats.encode["prompts"] == 3
     by_uid = {s.request.uid: s for s in samples}
-    assert by_uid[0].extras["cond"] is by_uid[3].extras["cond"]  # the group shares one conditioning
+    assert by_uid[0].cond is by_uid[3].cond  # the group shares one conditioning
     list(engine.generate(group))
     assert engine.stats.encode["prompts"] == 0 and engine.stats.encode["calls"] == 0
     model.text_encoder_version = 1  # the text encoder changed: stale embeddings must go

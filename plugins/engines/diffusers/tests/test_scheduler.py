@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omnirl_plugin_diffusers.scheduler import Slot, StaticScheduler, StepScheduler
 
-from omnirl_core.interfaces import GenRequest, RolloutPlan
+from omnirl_core.contracts import GenRequest, RolloutPlan
 
 
 def slot(uid: int, key: str, steps: int = 4, arrival: float = 0.0, nbytes: int = 100) -> Slot:

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
+from omnirl_core.contracts import TrainEngine
 from omnirl_core.loop.distributed import default_backend, ensure_process_group, shard_units
 from omnirl_core.loop.training import (
     MetricMean,
@@ -73,9 +74,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDP2TrainEngine:
+class FSDP2TrainEngine(TrainEngine):
     distributed = True
-    sharded = True  # writes its own optimizer shards into a checkpoint (save_shards / load_shards)
 
     def __init__(self, model: Any, train: TrainSection, options: FSDP2Options | None, device: Any):
         self.model = model
@@ -85,7 +85,7 @@ class FSDP2TrainEngine:
         ensure_process_group(self.options.backend or default_backend(device.type))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.comm_device = device  # small collectives live where the backend wants them (nccl: CUDA)
-        modules = model.trained_modules() if hasattr(model, "trained_modules") else {"denoiser": model.denoiser}
+        modules = model.trained_modules()
         if len(modules) > 1:  # ranks route their samples differently: every module runs in every call
             model.lockstep = True
         self.named_params = []
@@ -144,7 +144,7 @@ class FSDP2TrainEngine:
         return loss, m
 
     # -- weights for sync and export -----------------------------------------------------------
-    def full_trained_state(self) -> dict[str, torch.Tensor]:
+    def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained weights as full CPU tensors (LoRA only when training LoRA). Collective: every rank
         calls it."""
         return {k: _full(v).detach().cpu().contiguous() for k, v in self.model.trained_state_dict().items()}
@@ -153,7 +153,20 @@ class FSDP2TrainEngine:
     def _shard_file(self, directory: Path, rank: int, world: int) -> Path:
         return directory / SHARD_DIR / f"rank-{rank:05d}-of-{world:05d}.safetensors"
 
-    def save_shards(self, directory: str | Path) -> list[str]:
+    def save_state(self, directory: Path, rank: int) -> list[str]:
+        """Every rank writes its shard of the parameters and optimizer state; rank 0 also writes the gathered
+        trained weights in the model's own layout (what diffusers / peft read). Collective."""
+        files = self._save_shards(directory)
+        full = self.trained_state()  # a collective: every rank
+        if rank == 0:
+            files += self.model.save_trained(directory, state=full)
+        return files
+
+    def load_state(self, directory: Path) -> None:
+        """Each rank's shards (resharded when the checkpoint has another world size)."""
+        self._load_shards(directory)
+
+    def _save_shards(self, directory: str | Path) -> list[str]:
         directory = Path(directory)
         (directory / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
@@ -171,7 +184,7 @@ class FSDP2TrainEngine:
         dist.barrier()
         return [f"{SHARD_DIR}/"]
 
-    def load_shards(self, directory: str | Path) -> None:
+    def _load_shards(self, directory: str | Path) -> None:
         directory = Path(directory)
         index = json.loads((directory / SHARD_DIR / "index.json").read_text())
         saved_world = int(index["world_size"])

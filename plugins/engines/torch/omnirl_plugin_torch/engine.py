@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.config import TrainSection
+from omnirl_core.contracts import TrainEngine
 from omnirl_core.loop.training import (
     MetricMean,
     chunks,
@@ -30,7 +31,7 @@ class TorchTrainOptions(BaseModel):
     shuffle: bool = Field(True, description="Shuffle units (seeded by step) before splitting into minibatches.")
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(TrainEngine):
     def __init__(self, model: Any, train: TrainSection, options: TorchTrainOptions | None, device: Any):
         self.model = model
         self.train = train

@@ -26,7 +26,7 @@ from omnirl_core.ar.rollout import (
     sampling_params,
 )
 from omnirl_core.ar.sampling import SamplingParams, sample_tokens, sampling_logprobs
-from omnirl_core.interfaces import GenRequest, Sample
+from omnirl_core.contracts import GenRequest, RolloutEngine, Sample
 
 
 class TransformersRolloutOptions(TokenSamplingOptions):
@@ -65,7 +65,7 @@ def _plain_generation_defaults(module: Any) -> Iterator[None]:
         module.generation_config = saved
 
 
-class TransformersRolloutEngine:
+class TransformersRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, options: TransformersRolloutOptions | None, device: Any):
         require_ar_model(model, "transformers")
         self.model = model

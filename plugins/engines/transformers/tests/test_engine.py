@@ -12,7 +12,7 @@ from omnirl_plugin_transformers.engine import TransformersRolloutEngine, Transfo
 from omnirl_core.ar.model import CausalLMPolicy
 from omnirl_core.ar.policy_gradient import AR_PLAN
 from omnirl_core.ar.sampling import TokenPrompt
-from omnirl_core.interfaces import GenRequest
+from omnirl_core.contracts import GenRequest
 from omnirl_core.presets import small_bpe_tokenizer
 
 PROMPTS = ["a red square", "the cat on a chair", "what is 2", "hello world"]

@@ -25,8 +25,8 @@ from typing import Any
 
 from pydantic import Field
 
+from omnirl_core.contracts import Conditioning, GenRequest, Sample
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import Conditioning, GenRequest, Sample
 from omnirl_core.serving.rollout_server import ServedEngineOptions, ServedRolloutEngine
 from omnirl_core.weights import merged_weights
 
@@ -142,4 +142,4 @@ class VllmOmniRolloutEngine(ServedRolloutEngine):
         if logprobs.numel() != request.plan.num_steps or math.isnan(float(tensors[p + "latents"].sum())):
             raise UsageError(f"The vllm-omni engine returned a malformed trajectory for request {request.uid}.")
         return Sample(request=request, latents=tensors[p + "latents"], sigmas=tensors[p + "sigmas"],
-                      logprobs=logprobs, output=tensors[p + "image"], extras={"cond": cond, "uncond": uncond})
+                      logprobs=logprobs, output=tensors[p + "image"], cond=cond, uncond=uncond)

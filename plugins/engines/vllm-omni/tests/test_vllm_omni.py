@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.flow.policy_gradient import Transition, transition_stats
-from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
 from omnirl_core.plugins import get_plugin_manager
 from omnirl_core.testing import check_weight_update_reaches_engine, require_engine_environment
 
@@ -121,7 +121,7 @@ def test_cfg_samples_equal_the_diffusers_engines(model):
     lp = max(max_delta(ours[u].logprobs, ref[u].logprobs) for u in ref)
     print(f"CFG 4.0: latents {lat:.3g}, log-probs {lp:.3g}")
     assert lat <= 1e-4 and lp <= 1e-4, (lat, lp)
-    assert all(ours[u].extras["uncond"] is not None for u in ours)
+    assert all(ours[u].uncond is not None for u in ours)
 
 
 def test_trainer_recomputes_the_engines_logprobs(model):
@@ -143,7 +143,7 @@ def test_samples_are_complete(model):
     assert sample.latents.shape == (4, 4, 8, 8)
     assert sample.output.shape == (3, 32, 32) and 0.0 <= float(sample.output.min()) <= float(sample.output.max()) <= 1
     assert math.isnan(float(sample.logprobs[2])) and not math.isnan(float(sample.logprobs[0]))
-    assert sample.extras["cond"].tensors["prompt_embeds"].dtype == torch.float32
+    assert sample.cond.tensors["prompt_embeds"].dtype == torch.float32
 
 
 def test_a_training_run_through_the_cli(tmp_path):

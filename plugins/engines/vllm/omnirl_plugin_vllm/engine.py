@@ -33,8 +33,8 @@ from omnirl_core.ar.rollout import (
     require_ar_model,
     sampling_params,
 )
+from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest, Sample
 from omnirl_core.serving.rollout_server import ServedEngineOptions, ServedRolloutEngine
 from omnirl_core.weights import merged_weights
 

@@ -21,8 +21,8 @@ import torch
 from omnirl_core.ar.policy_gradient import AR_PLAN
 from omnirl_core.ar.sampling import completion_tokens
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import GenRequest
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest
 from omnirl_core.plugins import get_plugin_manager
 from omnirl_core.testing import check_weight_update_reaches_engine, require_engine_environment
 

@@ -25,9 +25,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import Conditioning
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import DTYPES, DenoiserModel, cfg_grad_both
-from omnirl_core.interfaces import Conditioning
 from omnirl_core.lora import adapters_disabled
 from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_bagel.checkpoint import load_autoencoder, load_tokenizer, load_transformer, save_checkpoint
@@ -109,6 +109,7 @@ def is_generation_only(name: str) -> bool:
 
 class BagelModel(DenoiserModel):
     capabilities = frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "image"})
+    encodes_images = True
     default_lora_targets = LORA_TARGETS["gen"]
 
     def __init__(self, transformer: BagelTransformer, vae: Any, tokenizer: Any, special_ids: dict[str, int],

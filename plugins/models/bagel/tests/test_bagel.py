@@ -16,10 +16,10 @@ from omnirl_plugin_bagel.model import BagelOptions, create_model, patchify, unpa
 from omnirl_plugin_bagel.tiny import save_tiny
 
 from omnirl_core.config import LoraConfig, ModelSection, RunConfig
+from omnirl_core.contracts import Conditioning, GenRequest, RolloutPlan, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.flow.sampler import sample_step
-from omnirl_core.interfaces import Conditioning, GenRequest, RolloutPlan, Sample
 
 SIZE = 64
 
@@ -284,7 +284,7 @@ def _rollout(model, guidance: float, steps: int = 4) -> list[Sample]:
             states.append(x)
     traj = torch.stack(states, dim=1)
     return [Sample(request=r, latents=traj[k], sigmas=sigmas, logprobs=logprobs[k], output=None,
-                   extras={"cond": conds[k], "uncond": uncond}) for k, r in enumerate(requests)]
+                   cond=conds[k], uncond=uncond) for k, r in enumerate(requests)]
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])

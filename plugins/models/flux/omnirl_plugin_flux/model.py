@@ -16,8 +16,8 @@ import torch
 from pydantic import Field
 
 from omnirl_core.config import ModelSection
+from omnirl_core.contracts import Conditioning
 from omnirl_core.flow.model import DiffusersFlowModel, DiffusersModelOptions, create_flow_model
-from omnirl_core.interfaces import Conditioning
 from omnirl_plugin_flux import HUB_IDS
 
 

@@ -14,13 +14,13 @@ import torch
 from pydantic import Field
 
 from omnirl_core.config import ModelSection
+from omnirl_core.contracts import Conditioning
 from omnirl_core.flow.model import (
     DiffusersFlowModel,
     DiffusersModelOptions,
     create_flow_model,
     load_diffusers_pipeline,
 )
-from omnirl_core.interfaces import Conditioning
 
 DEFAULT_HUB_ID = "Qwen/Qwen-Image"
 

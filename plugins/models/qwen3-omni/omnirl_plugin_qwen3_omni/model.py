@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from omnirl_core.ar.model import CausalLMPolicy
 from omnirl_core.ar.sampling import TokenPrompt
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import GenRequest
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest
 from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_qwen3_omni.media import MediaEncoder, collate_media
 

@@ -21,7 +21,7 @@ from PIL import Image
 from omnirl_core.ar.policy_gradient import AR_PLAN
 from omnirl_core.ar.sampling import SamplingParams
 from omnirl_core.config import LoraConfig, ModelSection
-from omnirl_core.interfaces import GenRequest
+from omnirl_core.contracts import GenRequest
 from omnirl_core.testing import ar_rollout, kept_for_backward_bytes
 
 

@@ -20,8 +20,8 @@ from PIL import Image
 from omnirl_core.ar.policy_gradient import AR_PLAN
 from omnirl_core.ar.sampling import SamplingParams
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import GenRequest
 from omnirl_core.errors import UsageError
-from omnirl_core.interfaces import GenRequest
 from omnirl_core.testing import ar_rollout, check_ar_logprob_consistency, check_ar_model, run_train
 
 

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from omnirl_core.config import ModelSection
+from omnirl_core.contracts import Conditioning
 from omnirl_core.flow.model import (
     DiffusersFlowModel,
     DiffusersModelOptions,
@@ -23,7 +24,6 @@ from omnirl_core.flow.model import (
     create_flow_model,
     load_diffusers_pipeline,
 )
-from omnirl_core.interfaces import Conditioning
 
 ACCESS_NOTE = "The released SD3.5 checkpoints are gated: accept the licence on the hub and log in first."
 HUB_IDS = {"medium": "stabilityai/stable-diffusion-3.5-medium", "large": "stabilityai/stable-diffusion-3.5-large"}

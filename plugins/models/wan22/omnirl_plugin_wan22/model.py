@@ -25,6 +25,7 @@ import torch
 from pydantic import Field
 
 from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts import Conditioning
 from omnirl_core.errors import UsageError
 from omnirl_core.flow.model import (
     DenoiserModel,
@@ -34,7 +35,6 @@ from omnirl_core.flow.model import (
     guided_velocity,
     load_diffusers_pipeline,
 )
-from omnirl_core.interfaces import Conditioning
 from omnirl_core.lora import adapters_disabled
 from omnirl_core.weights import cpu_copy
 

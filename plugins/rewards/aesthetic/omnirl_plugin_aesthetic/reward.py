@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.presets import atomic_directory, cache_dir
 from omnirl_core.rewards_kit.clip import load_clip
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
@@ -55,7 +56,7 @@ def tiny_directory(seed: int = 0) -> Path:
                             lambda tmp: save_tiny(tmp, seed))
 
 
-class AestheticScore:
+class AestheticScore(Reward):
     def __init__(self, options: AestheticOptions | None = None):
         self.options = o = options or AestheticOptions()
         clip_path, mlp_path = o.clip_path, o.mlp_path

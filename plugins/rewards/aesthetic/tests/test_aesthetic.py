@@ -127,14 +127,14 @@ def test_hf_hub_offline_never_touches_the_network(converted: tuple[nn.Module, Pa
 @pytest.mark.slow
 def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
     check_reward_in_a_run(tmp_path / "run", "aesthetic", "--set", "rewards.0.options.preset=tiny",
-                          "--set", "rewards.0.options.device=cpu")
+                          "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "aesthetic", 60, "--set", "rewards.0.options.preset=tiny",
-                       "--set", "rewards.0.options.device=cpu")
+                       "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")
 
 
 @pytest.mark.slow
@@ -144,4 +144,4 @@ def test_tiny_multi_reward_run_raises_the_summed_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "aesthetic", 50, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu", "--reward", "clipscore:0.5",
                        "--set", "rewards.1.options.preset=tiny", "--set", "rewards.1.options.device=cpu",
-                       "--set", "rewards.1.advantage=own")
+                       "--set", "rewards.1.advantage=own", model="qwen-image", algo="flowgrpo")

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward
+
 
 class AnswerMatchOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -75,7 +77,7 @@ def _normalise(text: str, case_sensitive: bool) -> str:
     return text if case_sensitive else text.lower()
 
 
-class AnswerMatch:
+class AnswerMatch(Reward):
     uses_inputs = True  # called with each prompt's record (the reference answer)
     batch_invariant = True  # each text scored on its own: batching what piles up changes no score
 

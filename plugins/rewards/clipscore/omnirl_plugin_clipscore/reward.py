@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.rewards_kit.clip import cosine, load_options_clip
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
@@ -35,7 +36,7 @@ class ClipScoreOptions(BatchedRewardOptions):
                         "'' for none).")
 
 
-class ClipScore:
+class ClipScore(Reward):
     def __init__(self, options: ClipScoreOptions | None = None):
         self.options = options or ClipScoreOptions()
         # the paper tokenises with the `clip` package: special-token strings in a caption are plain text

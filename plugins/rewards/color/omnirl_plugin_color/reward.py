@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward
+
 PALETTE: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.0, 0.0),
     "green": (0.0, 1.0, 0.0),
@@ -44,7 +46,7 @@ def named_color(prompt: str) -> tuple[float, float, float]:
     raise ValueError(f"prompt {prompt!r} names no colour the reward knows ({', '.join(sorted(PALETTE))})")
 
 
-class ColorMatch:
+class ColorMatch(Reward):
     batch_invariant = True  # each image scored on its own: batching what piles up changes no score
 
     def __init__(self, options: ColorOptions | None = None):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.rewards_kit.clip import DTYPES, from_pretrained, load_clip, resolve_device, to_uint8
 from omnirl_core.rewards_kit.options import ModelRewardOptions
 from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
@@ -110,7 +111,7 @@ def save_tiny_owlv2(directory: Path, seed: int = 0, image_size: int = 64) -> Non
     processor.save_pretrained(str(directory))
 
 
-class GenEval:
+class GenEval(Reward):
     uses_inputs = True  # a record's GenEval metadata, when the prompts come with it
 
     def __init__(self, options: GenEvalOptions | None = None):

@@ -180,4 +180,4 @@ def test_missing_detector_files(tmp_path: Path):
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "geneval", 50, "--set", "rewards.0.options.preset=tiny",
                        "--set", "rewards.0.options.device=cpu", "--set", "rewards.0.options.threshold=0.53",
-                       "--set", "rewards.0.options.counting_threshold=0.53")
+                       "--set", "rewards.0.options.counting_threshold=0.53", model="qwen-image", algo="flowgrpo")

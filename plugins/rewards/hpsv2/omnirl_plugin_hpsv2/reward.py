@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import cosine, load_clip
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
@@ -36,7 +37,7 @@ class HPSv2Options(BatchedRewardOptions):
                                 "or a hub id.")
 
 
-class HPSv2:
+class HPSv2(Reward):
     def __init__(self, options: HPSv2Options | None = None):
         self.options = o = options or HPSv2Options()
         if o.preset == "tiny":

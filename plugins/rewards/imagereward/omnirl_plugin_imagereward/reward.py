@@ -18,6 +18,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.clip import DTYPES, ClipPreprocessor, hub_offline, resolve_device
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
@@ -67,7 +68,7 @@ def _check(directory: Path) -> None:
                  "preset=tiny.")
 
 
-class ImageRewardScore:
+class ImageRewardScore(Reward):
     def __init__(self, options: ImageRewardOptions | None = None):
         from safetensors.torch import load_file
         from transformers import (

@@ -74,11 +74,11 @@ def test_conversion_refuses_other_checkpoints_and_loading_errors(tmp_path: Path)
 @pytest.mark.slow
 def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
     check_reward_in_a_run(tmp_path / "run", "imagereward", "--set", "rewards.0.options.preset=tiny",
-                          "--set", "rewards.0.options.device=cpu")
+                          "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "imagereward", 50, "--set", "rewards.0.options.preset=tiny",
-                       "--set", "rewards.0.options.device=cpu")
+                       "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")

@@ -10,6 +10,8 @@ import numpy as np
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward
+
 DEFAULT_PROMPTS = [
     "a cat", "a dog", "a horse", "a bird", "a fish", "a rabbit", "a lion", "a bear",
     "an owl", "a fox", "a deer", "a frog",
@@ -31,7 +33,7 @@ def to_uint8(image: Any) -> np.ndarray:
     return (arr.transpose(1, 2, 0).clip(0, 1) * 255).round().astype(np.uint8)
 
 
-class JpegCompressibility:
+class JpegCompressibility(Reward):
     batch_invariant = True  # each image scored on its own: batching what piles up changes no score
 
     def __init__(self, options: JpegOptions | None = None):

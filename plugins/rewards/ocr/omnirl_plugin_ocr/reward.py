@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward
+
 DEFAULT_PROMPTS = [
     'a shop sign that says "OPEN"',
     'a poster with the word "OMNI"',
@@ -76,7 +78,7 @@ def to_uint8_image(output: Any, min_side: int) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 
 
-class OCRReward:
+class OCRReward(Reward):
     def __init__(self, options: OCROptions | None = None):
         self.options = options or OCROptions()
         self._local = threading.local()

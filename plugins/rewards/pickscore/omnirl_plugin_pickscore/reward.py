@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.rewards_kit.clip import cosine, load_options_clip
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
@@ -32,7 +33,7 @@ class PickScoreOptions(BatchedRewardOptions):
                                 "local directory or a hub id.")
 
 
-class PickScore:
+class PickScore(Reward):
     def __init__(self, options: PickScoreOptions | None = None):
         self.options = options or PickScoreOptions()
         self.clip = load_options_clip(self.options, DEFAULT_PATH, "PickScore", "pickscore", "gelu",

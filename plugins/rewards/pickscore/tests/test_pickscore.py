@@ -99,11 +99,11 @@ def test_hf_hub_offline_never_touches_the_network():
 @pytest.mark.slow
 def test_a_tiny_training_run_scores_with_the_reward(tmp_path: Path):
     check_reward_in_a_run(tmp_path / "run", "pickscore", "--set", "rewards.0.options.preset=tiny",
-                          "--set", "rewards.0.options.device=cpu")
+                          "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_tiny_training_run_raises_the_reward(tmp_path: Path):
     check_reward_rises(tmp_path / "run", "pickscore", 100, "--set", "rewards.0.options.preset=tiny",
-                       "--set", "rewards.0.options.device=cpu")
+                       "--set", "rewards.0.options.device=cpu", model="qwen-image", algo="flowgrpo")

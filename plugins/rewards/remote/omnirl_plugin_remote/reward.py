@@ -1,9 +1,12 @@
 """The ``remote`` reward: sends outputs and prompts to a server started with ``omnirl reward serve NAME``.
 
-Wire format: ``omnirl_core.rewards.wire`` (JSON; images as 8-bit PNG rounded as every image reward here
-rounds them, so a served image reward gives the same scores as in process). A connection that fails before
-an answer is retried (``retries``); a server that stays away fails the call with an error that says how to
-restart it, and the run, stopped with its last checkpoint, resumes when rerun.
+Wire format: ``omnirl_core.rewards.wire`` (a safetensors body: the outputs' own tensors, bit for bit; scores
+back as JSON numbers that read back as the same doubles). The server calls its reward as a run calls it in
+process: with the batch of each call here (a call goes in one request, unless the served reward is
+``batch_invariant``: then in requests of ``batch_size``, which the server may merge), so a served reward gives
+exactly the in-process scores. A connection that fails before an answer, or a server that answers 503 (busy),
+is retried (``retries``); a server that stays away fails the call with an error that says how to restart it,
+and the run, stopped with its last checkpoint, resumes when rerun.
 
 ``submit`` starts a call on the reward's own threads (up to ``concurrency`` requests in flight) and returns its
 future: a Ray async reward actor awaits it, so its calls overlap without a thread of the actor's each, and the
@@ -14,7 +17,7 @@ request, which the server batches with the others it has.
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import logging
 import os
 import re
 import threading
@@ -24,11 +27,31 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
-from omnirl_core.rewards.wire import encode_output
+from omnirl_core.rewards.wire import CONTENT_TYPE, EncodedRequest
 
 TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@]*@")
+
+
+class _QuietRequests(logging.Filter):
+    """httpx logs every request at INFO ("HTTP Request: POST .../score 200 OK"): one line per reward call, some
+    6,400 in a 200-step run, which buried the messages that matter. This drops those lines for the servers of
+    remote rewards (``urls``) and nothing else: httpx's other messages, and its lines about other servers, stay."""
+
+    def __init__(self) -> None:
+        super().__init__("omnirl-remote-reward")
+        self.urls: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or not str(record.msg).startswith("HTTP Request:"):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) > 1 and str(args[1]).startswith(tuple(self.urls)))
+
+
+_QUIET = _QuietRequests()
 
 
 class RemoteOptions(BaseModel):
@@ -40,9 +63,12 @@ class RemoteOptions(BaseModel):
     timeout_s: float = Field(300.0, gt=0, description="Deadline of one request, in seconds.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Deadline of connecting to the server, in seconds.")
     retries: int = Field(3, ge=0, description="Retries of a request whose connection failed before an answer "
-                         "(server restarting, connection reset).")
+                         "(server restarting, connection reset) or that the server was too busy for (503).")
     retry_wait_s: float = Field(1.0, ge=0, description="Wait before the first retry (doubled for each next one).")
-    batch_size: int = Field(64, ge=1, description="Most samples per request (the server batches requests too).")
+    batch_size: int = Field(64, ge=1, description="Most samples per request to a batch-invariant reward (the "
+                            "server merges those requests too); a call to any other reward goes in one request, "
+                            "so that it scores the batch it would score in process. Also the most samples the "
+                            "driver puts in one call on Ray (capacity).")
     concurrency: int = Field(4, ge=1, description="Requests in flight from one reward instance when it is "
                              "submitted to (a Ray async reward actor's overlapping calls); the server batches "
                              "those that arrive together.")
@@ -63,7 +89,9 @@ def _safe(text: str) -> str:
     return _USERINFO.sub(r"\1***@", text)
 
 
-class RemoteReward:
+class RemoteReward(Reward):
+    asynchronous = True  # submit: scores on its own threads / event loop
+
     uses_inputs = True  # forwarded; the server hands them to its reward only if that reward reads them
 
     def __init__(self, options: RemoteOptions | None = None):
@@ -77,6 +105,9 @@ class RemoteReward:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(headers=headers, follow_redirects=False,
                                    timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s))
+        _QUIET.urls.add(str(httpx.URL(self.url)))
+        if _QUIET not in logging.getLogger("httpx").filters:
+            logging.getLogger("httpx").addFilter(_QUIET)
         try:
             self.info = self._request("GET", "/health", None, retries=0)
         except RemoteRewardError as exc:
@@ -91,8 +122,18 @@ class RemoteReward:
                 f"Remote reward: the server at {_safe(self.url)} serves '{self.info.get('reward')}', "
                 f"not '{o.expect}'.", hint="Point rewards.<i>.options.url at the right server, or change expect.")
         self.name = str(self.info.get("reward", "?"))
+        if "max_body_bytes" not in self.info:
+            raise UsageError(
+                f"Remote reward: the server at {_safe(self.url)} speaks the JSON / PNG wire format of an older "
+                "omnirl, which rounds images to 8 bits.",
+                hint="Update omnirl where the server runs (the same version as the run's) and restart it.")
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None, retries: int) -> Any:
+    @property
+    def batch_invariant(self) -> bool:
+        """The served reward's own ``batch_invariant``: the run may then batch the samples that pile up."""
+        return bool(self.info.get("batch_invariant"))
+
+    def _request(self, method: str, path: str, body: EncodedRequest | None, retries: int) -> Any:
         import httpx
 
         wait = self.options.retry_wait_s
@@ -100,9 +141,14 @@ class RemoteReward:
             try:
                 if body is None:
                     response = self.client.request(method, self.url + path)
-                else:
-                    response = self.client.request(method, self.url + path, content=json.dumps(body).encode(),
-                                                   headers={"Content-Type": "application/json"})
+                else:  # streamed: the tensors' bytes are sent from the tensors themselves
+                    response = self.client.request(method, self.url + path, content=body.chunks(),
+                                                   headers={"Content-Type": CONTENT_TYPE,
+                                                            "Content-Length": str(body.length)})
+                if response.status_code == 503 and attempt < retries:  # busy: its connections or memory are taken
+                    time.sleep(wait)
+                    wait *= 2
+                    continue
                 break
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
                 if attempt == retries:
@@ -128,13 +174,19 @@ class RemoteReward:
 
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],
                  inputs: Sequence[Any] | None = None) -> list[float]:
+        if len(outputs) != len(prompts):
+            raise RemoteRewardError(f"{len(outputs)} outputs for {len(prompts)} prompts")
         scores: list[float] = []
-        size = self.options.batch_size
+        size = self.options.batch_size if self.batch_invariant else max(len(prompts), 1)
+        limit = int(self.info["max_body_bytes"])
         for start in range(0, len(prompts), size):
-            body = {"prompts": list(prompts[start:start + size]),
-                    "outputs": [encode_output(x) for x in outputs[start:start + size]]}
-            if inputs is not None and self.info.get("uses_inputs"):
-                body["inputs"] = json.loads(json.dumps(list(inputs[start:start + size]), default=str))
+            records = inputs[start:start + size] if inputs is not None and self.info.get("uses_inputs") else None
+            body = EncodedRequest(outputs[start:start + size], prompts[start:start + size], records)
+            if body.length > limit:
+                raise RemoteRewardError(
+                    f"a request of {len(prompts[start:start + size])} sample(s) takes {body.length} bytes, over the "
+                    f"{limit} bytes the reward server {_safe(self.url)} accepts: start it with a larger "
+                    f"--max-body-mb{', or lower batch_size' if self.batch_invariant else ''}")
             answer = self._request("POST", "/score", body, retries=self.options.retries)
             if not isinstance(answer, dict) or not isinstance(answer.get("scores"), list):
                 raise RemoteRewardError(f"reward server {_safe(self.url)} answered without a 'scores' list")

@@ -119,7 +119,7 @@ def test_submit_returns_at_once_and_overlapping_calls_are_batched_by_the_server(
     its own future."""
     import asyncio
 
-    from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+    from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
     from omnirl_core.rewards.dispatch import RewardFn, RewardSet
 
     gate = threading.Event()

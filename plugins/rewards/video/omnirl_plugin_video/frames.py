@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Reward, as_reward
 from omnirl_core.errors import UsageError
 
 DEFAULT_PROMPTS = [
@@ -67,16 +68,17 @@ def frame_indices(count: int, stride: int, max_frames: int | None) -> list[int]:
     return picked
 
 
-class VideoFrames:
+class VideoFrames(Reward):
     def __init__(self, options: VideoFramesOptions | None = None):
         from omnirl_core.rewards_kit import build_reward
 
         self.options = o = options or VideoFramesOptions()
-        self.reward, spec = build_reward(o.reward, o.options)
+        reward, spec = build_reward(o.reward, o.options)
+        self.reward = as_reward(reward)
         if "image" not in spec.modalities and "any" not in spec.modalities:
             raise UsageError(f"video-frames: reward '{o.reward}' scores {' or '.join(spec.modalities)}, not images.",
                              hint="Pick an image reward for rewards.<i>.options.reward (see `omnirl rewards`).")
-        self.uses_inputs = bool(getattr(self.reward, "uses_inputs", False))
+        self.uses_inputs = self.reward.uses_inputs
 
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],
                  inputs: Sequence[Any] | None = None) -> list[float]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from omnirl_core.contracts import Reward
 from omnirl_core.rewards_kit.clip import load_options_clip
 from omnirl_core.rewards_kit.options import BatchedRewardOptions
 
@@ -47,7 +48,7 @@ def consistency(embeds: torch.Tensor, anchor_weight: float = 0.0) -> float:
     return float(((1 - anchor_weight) * consecutive + anchor_weight * to_first).mean())
 
 
-class TemporalConsistency:
+class TemporalConsistency(Reward):
     def __init__(self, options: TemporalOptions | None = None):
         self.options = o = options or TemporalOptions()
         self.clip = load_options_clip(o, DEFAULT_PATH, "temporal-consistency (CLIP checkpoint)",

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -34,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import numpy as np
 
+from omnirl_core.contracts import Reward
 from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
 from omnirl_plugin_vlm_judge.parse import JudgeError, ReplyError, loads, parse_score
 from omnirl_plugin_vlm_judge.redaction import Redactor, display_url
@@ -94,6 +96,22 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _shut(loop: asyncio.AbstractEventLoop, client: aiohttp.ClientSession, thread: threading.Thread) -> None:
+    """Close the session on its loop, then stop the loop and its thread."""
+    if threading.current_thread() is thread:  # collected on its own loop: close there, then stop
+        loop.create_task(client.close()).add_done_callback(lambda _: loop.stop())
+        return
+    if not loop.is_closed() and thread.is_alive():
+        try:
+            asyncio.run_coroutine_threadsafe(client.close(), loop).result(timeout=5)
+        except Exception:  # noqa: BLE001 - closing is best effort; the loop still stops
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    if not thread.is_alive():
+        loop.close()
+
+
 class _Transient(Exception):
     """A failure worth retrying; ``retry_after`` is the server's Retry-After in seconds, if any."""
 
@@ -102,7 +120,9 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
-class VLMJudge:
+class VLMJudge(Reward):
+    asynchronous = True  # submit: scores on its own threads / event loop
+
     def __init__(self, options: VLMJudgeOptions | None = None):
         self.options = options or VLMJudgeOptions()
         self.template = self.options.template()
@@ -121,6 +141,7 @@ class VLMJudge:
         self._client: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._proxy: str | None = None
+        self._shutdown: weakref.finalize | None = None
 
     def __repr__(self) -> str:
         key = f"from ${self.options.api_key_env}" if self._key else "none"
@@ -145,6 +166,9 @@ class VLMJudge:
                     raise
                 self._slots = asyncio.Semaphore(self.options.concurrency)
                 self._loop, self._thread = loop, thread
+                # the session is closed when the judge is, when it is garbage collected, or at the interpreter's
+                # exit (nothing else closes a reward): else every run ended with "Unclosed client session"
+                self._shutdown = weakref.finalize(self, _shut, loop, self._client, thread)
             return self._loop
 
     async def _session(self) -> aiohttp.ClientSession:
@@ -163,16 +187,10 @@ class VLMJudge:
     def close(self) -> None:
         """Close the connections and stop the loop thread (a later call starts them again)."""
         with self._lock:
-            loop, client, thread = self._loop, self._client, self._thread
+            shutdown, self._shutdown = self._shutdown, None
             self._loop = self._client = self._thread = self._slots = None
-        if loop is None:
-            return
-        if client is not None:
-            asyncio.run_coroutine_threadsafe(client.close(), loop).result(timeout=5)
-        loop.call_soon_threadsafe(loop.stop)
-        if thread is not None:
-            thread.join(timeout=5)
-        loop.close()
+        if shutdown is not None:
+            shutdown()
 
     # -- scoring -----------------------------------------------------------------------------
     @property
@@ -271,11 +289,16 @@ class VLMJudge:
         except (aiohttp.ClientError, ValueError) as exc:  # an invalid URL, a reply that is not HTTP
             raise self._error(f"request to {self.shown_url} failed ({type(exc).__name__}: {exc}); check url") \
                 from None
+        text = data.decode("utf-8", "replace")
         if status == 200:
+            if self._redact.found(text):  # a score read from it could be a piece of the key
+                raise self._error(f"{self.shown_url} quoted the API key back in its reply; no score is read from "
+                                  f"such a reply. Check the server (a proxy or an error page that echoes request "
+                                  f"headers?)")
             try:
                 return loads(data)
             except (ValueError, UnicodeDecodeError):
-                start = _one_line(data[:200].decode("utf-8", "replace"), 120)
+                start = _one_line(text[:200], 120)
                 raise self._error(f"{self.shown_url} answered with a body that is not JSON ({start!r}); "
                                   f"url must be an OpenAI-compatible API (…/v1)") from None
         if 300 <= status < 400:
@@ -283,7 +306,9 @@ class VLMJudge:
             raise self._error(f"{self.shown_url} answered HTTP {status}, a redirect to {where}. Redirects are "
                               f"never followed (the API key must not reach another origin): set url to the "
                               f"server's real address")
-        text = _one_line(data.decode("utf-8", "replace"))
+        if len(data) >= ERROR_BODY_BYTES:  # read up to the limit: a key may be cut in two at its end
+            text = self._redact.cut(text)
+        text = _one_line(self._redact(text))  # masked before it is shortened, which could cut a key in two
         if status == 429 or 500 <= status < 600:
             retry_after = reply_headers.get("retry-after", "")
             raise _Transient(f"HTTP {status}: {text!r}",

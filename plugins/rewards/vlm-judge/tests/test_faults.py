@@ -157,7 +157,7 @@ def test_failures_reach_the_core_as_errors_never_as_zero(fake_judge, judge_for):
     server.mode = "always-500"
     judge = judge_for(server.url, retries=0)
     required = RewardSet([RewardFn("vlm-judge", judge)])
-    from omnirl_core.interfaces import GenRequest, RolloutPlan, Sample
+    from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 
     plan = RolloutPlan(step_kinds=("ode",), train_steps=())
     request = GenRequest(uid=0, prompt="p", prompt_index=0, group=0, seed=0, height=8, width=8, plan=plan)

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Tracker
 from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 
@@ -23,7 +24,7 @@ class TensorBoardOptions(BaseModel):
     histograms: bool = Field(True, description="Log each step's per-sample rewards as histograms.")
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(Tracker):
     def __init__(self, options: TensorBoardOptions | None = None):
         self.options = options or TensorBoardOptions()
         self.writer: Any = None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnirl_core.contracts import Tracker
 from omnirl_core.loop.trackers import StepEvent, TrackerRun
 
 RUN_ID_FILE = "wandb-run.json"
@@ -34,7 +35,7 @@ class WandbOptions(BaseModel):
     histograms: bool = Field(True, description="Log each step's per-sample rewards as histograms.")
 
 
-class WandbTracker:
+class WandbTracker(Tracker):
     def __init__(self, options: WandbOptions | None = None):
         self.options = options or WandbOptions()
         self.run: Any = None

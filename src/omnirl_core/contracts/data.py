@@ -1,13 +1,12 @@
-"""The contracts between plugins: requests, samples, conditioning, and the model / reward / algorithm /
-engine protocols. Plain data and typing only; torch is imported lazily by the types that hold tensors."""
+"""The data that crosses every seam: a rollout plan, a request, a finished sample (its typed trajectory) and a
+batch of conditioning. Plain data; torch is imported lazily by the types that hold tensors."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -78,9 +77,19 @@ class GenRequest:
     them, reference answers for rewards that compare against one (see ``omnirl_core.data.sources``)."""
 
 
+TRAJECTORY_FIELDS = ("latents", "sigmas", "logprobs", "cond", "uncond", "prompt_tokens", "completion", "sampling")
+"""The ``Sample`` fields that make up its trajectory: what a worker keeps and the update reads."""
+
+
 @dataclass
 class Sample:
-    """A finished rollout: the trajectory, its log-probs, the decoded output and its rewards."""
+    """A finished rollout: its typed trajectory (what the trainer re-evaluates), the decoded output and its
+    rewards. A rollout engine fills the trajectory fields of its model kind; the trainer reads only them.
+
+    Flow models: ``latents``, ``sigmas``, ``logprobs`` and the conditioning the rollout used (``cond``, and
+    ``uncond`` when the sample was guided with true CFG). Token models: ``prompt_tokens`` (the model's
+    ``TokenPrompt``), ``completion`` (the sampled ids), ``sampling`` (the distribution's ``SamplingParams``) and
+    ``logprobs`` (one per completion token)."""
 
     request: GenRequest
     latents: Any  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent (None for AR)
@@ -90,7 +99,19 @@ class Sample:
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = float("nan")
     advantage: float = 0.0
+    cond: Conditioning | None = None
+    """Flow: the prompt's conditioning (one row) the rollout's velocity calls used."""
+    uncond: Conditioning | None = None
+    """Flow with true CFG: the negative prompt's conditioning (one row); None without CFG."""
+    prompt_tokens: Any = None
+    """Token models: the ``omnirl_core.ar.sampling.TokenPrompt`` the completion was sampled after."""
+    completion: Any = None
+    """Token models: the sampled token ids (1-D long tensor), stop token included when one was sampled."""
+    sampling: Any = None
+    """Token models: the ``SamplingParams`` (temperature, top-k, top-p) of the distribution sampled from."""
     extras: dict[str, Any] = field(default_factory=dict)
+    """The runtime's and the algorithms' bookkeeping (rollout-correction records, a Ray worker's held key, an
+    algorithm's own notes); never part of the trajectory."""
 
     @property
     def prompt(self) -> str:
@@ -138,73 +159,3 @@ class Conditioning:
                 ]
             out[key] = torch.cat(parts, dim=0)
         return Conditioning(out, first.pad_keys)
-
-
-@runtime_checkable
-class FlowModel(Protocol):
-    """The step contract every flow-matching model implements once; every flow algorithm then works.
-
-    Optional attribute ``text_encoder_version: int``: a model whose text encoder can change (trained or
-    reloaded) increments it on every change, so that cached prompt embeddings are dropped
-    (``omnirl_core.flow.embedding_cache``). Without it the text encoder is taken to be frozen.
-
-    Optional attribute ``guidance``: "cfg" (true classifier-free guidance, the default), "embedded" (the scale
-    is an input of the network; ``uncond`` is ignored) or "none".
-    """
-
-    capabilities: frozenset[str]
-
-    def encode(self, prompts: list[str]) -> Conditioning:
-        """Conditioning for a batch of prompts (cacheable per prompt while the text encoder is unchanged)."""
-
-    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
-        """Per-sample latent shape for an output size."""
-
-    def sigmas(self, num_steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
-        """The model's (shifted) sigma schedule: ``num_steps + 1`` values from 1 down to 0, fp32."""
-
-    def velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        guidance_scale: float = 1.0,
-        uncond: Conditioning | None = None,
-    ) -> torch.Tensor:
-        """One batched transformer call (two with CFG; the unconditional branch without grad), fp32 out."""
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> outputs in [0, 1]: images (B, 3, H, W) or videos (B, 3, F, H, W)."""
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters the optimizer updates (LoRA weights, or the whole denoiser)."""
-
-    def reference(self) -> AbstractContextManager[None]:
-        """Within this context ``velocity`` is the frozen reference policy (LoRA disabled / base copy)."""
-
-
-@runtime_checkable
-class EncodesImages(Protocol):
-    """Optional model capability: images to latents (offline preference data, e.g. Diffusion-DPO).
-
-    ``images`` are (B, 3, H, W) in [0, 1] at a size the model generates; the latents have the per-sample
-    shape of ``latent_shape(H, W)`` and lie on the flow path's data end (x0), fp32. Deterministic (the
-    encoder's mean), so the same image always gives the same latent."""
-
-    def encode_images(self, images: torch.Tensor) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class Reward(Protocol):
-    """Scores decoded samples. Returns one float per sample (higher is better).
-
-    A reward that compares against each prompt's data record (a reference answer) sets the class attribute
-    ``uses_inputs = True`` and is then called with ``inputs=[request.inputs, ...]`` as well.
-    """
-
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]: ...
-
-
-class RolloutEngine(Protocol):
-    def generate(self, requests: list[GenRequest]) -> Iterator[Sample]:
-        """Generate every request; yields finished samples as they complete (possibly out of order)."""

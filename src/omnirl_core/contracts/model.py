@@ -1,0 +1,151 @@
+"""The model contracts: what the runtime, the engines and the algorithms call on a model plugin's object.
+
+``PolicyModel`` is what every trained model offers (training setup, the trained weights, the reference policy);
+``FlowModel`` adds the flow-matching step contract (encode, latent shape, sigmas, velocity, decode) and
+``TokenModel`` the token-level one (prompts to token ids, per-token log-probs). Model plugins subclass the
+kits built on them (``omnirl_core.flow.model.DiffusersFlowModel`` / ``DenoiserModel``,
+``omnirl_core.ar.model.CausalLMPolicy``). Optional behaviour has a declared default here (a class attribute or a
+method that does nothing), so the runtime calls it on every model and never asks whether it exists.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnirl_core.config import LoraConfig
+    from omnirl_core.contracts.data import Conditioning, GenRequest
+
+
+class PolicyModel(ABC):
+    """A trained policy: a flow model or a token model."""
+
+    capabilities: frozenset[str] = frozenset()
+    """What the model offers (``flow-matching``, ``cfg``, ``image``, ``video``, ``ar-text``, ...): algorithms and
+    rewards declare what they need of it. The spec's ``capabilities`` is what resolution reads; the object's
+    must agree."""
+
+    device: torch.device
+    dtype: torch.dtype
+    lora: LoraConfig | None = None
+    """The LoRA adapter being trained (set by ``setup_training``); None in full fine-tuning."""
+
+    negative_prompt: str = ""
+    """What rollout engines encode for the unconditional branch (``rollout.negative_prompt``; set by the worker)."""
+
+    text_encoder_version: int = 0
+    """Incremented on every change of the text encoder (trained or reloaded) by a model whose text encoder can
+    change, so that cached prompt embeddings are dropped (``omnirl_core.flow.embedding_cache``). Left at 0: the
+    text encoder is frozen."""
+
+    lockstep: bool = False
+    """Set by a sharded train engine when the model trains several modules: every call must then run each
+    trained module (a rank with no input for one still joins its collectives)."""
+
+    @abstractmethod
+    def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
+        """Freeze everything, then make trainable a fresh LoRA adapter (``lora.enabled``) or the trained
+        network. ``need_reference``: keep a frozen copy as the reference policy (full fine-tuning)."""
+
+    @abstractmethod
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules training updates, by name (a sharded engine wraps each)."""
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """Modules never trained, used around the trained network (text encoders, VAE, media encoders):
+        ``model.offload: cpu`` keeps them in host memory. None by default."""
+        return []
+
+    @abstractmethod
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (LoRA weights, or the whole trained network)."""
+
+    @abstractmethod
+    def reference(self) -> AbstractContextManager[None]:
+        """Within this context the model is the frozen reference policy (LoRA disabled / the base copy)."""
+
+    @abstractmethod
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights as CPU tensors that share no storage with the live ones (LoRA only when
+        training LoRA)."""
+
+    @abstractmethod
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load ``trained_state_dict``'s output (weight sync, resume)."""
+
+    @abstractmethod
+    def save_trained(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """Write the trained weights in the layout the model's ecosystem reads back; returns the paths written
+        (relative to ``directory``; a folder ends with ``/``). ``state``: write this full trained state instead
+        of the module's own (a sharded engine gathers it first)."""
+
+    @abstractmethod
+    def load_trained(self, directory: Path) -> None:
+        """Load what ``save_trained`` wrote."""
+
+
+class FlowModel(PolicyModel):
+    """The step contract every flow-matching model implements once; every flow algorithm then works.
+
+    Time and sign conventions: ``sigma`` runs from 1 (pure noise) to 0 (data); ``x_sigma = (1 - sigma) x0 +
+    sigma eps``; the velocity is ``v = eps - x0``, so an Euler step is ``x_next = x + (sigma_next - sigma) v``.
+    """
+
+    guidance: str = "cfg"
+    """How ``guidance_scale`` acts: ``cfg`` true classifier-free guidance (``uncond`` is a second branch:
+    ``v = v_u + g (v_c - v_u)``), ``embedded`` (the scale is an input of the network; ``uncond`` is ignored) or
+    ``none``."""
+
+    encodes_images: bool = False
+    """Whether ``encode_images`` is implemented (offline preference data: Diffusion-DPO's image pairs)."""
+
+    @abstractmethod
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Conditioning for a batch of prompts (cacheable per prompt while the text encoder is unchanged)."""
+
+    @abstractmethod
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Per-sample latent shape for an output size."""
+
+    @abstractmethod
+    def sigmas(self, num_steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
+        """The model's (shifted) sigma schedule: ``num_steps + 1`` values from 1 down to 0, fp32."""
+
+    @abstractmethod
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                 guidance_scale: float = 1.0, uncond: Conditioning | None = None) -> torch.Tensor:
+        """One batched network call (two with true CFG), fp32 out."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> outputs in [0, 1]: images (B, 3, H, W) or videos (B, 3, F, H, W)."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] at a size the model generates -> latents on the flow path's data end
+        (x0), fp32, deterministic (the encoder's mean). Only where ``encodes_images`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode images (encodes_images is False)")
+
+
+class TokenModel(PolicyModel):
+    """The token-level contract of autoregressive (AR / omni) models: prompts to token ids, and the log-probs of
+    sampled tokens under the sampling distribution (``omnirl_core.ar.sampling``), identical in rollout and
+    trainer."""
+
+    @abstractmethod
+    def encode_prompt(self, request: GenRequest) -> Any:
+        """The request's prompt as a ``TokenPrompt`` (chat template, generation prompt, media features)."""
+
+    @abstractmethod
+    def token_logprobs(self, prompts: Sequence[Any], completions: Sequence[torch.Tensor],
+                       params: Sequence[Any]) -> list[torch.Tensor]:
+        """Per-token log-probs of ``completions`` after ``prompts`` under each row's ``SamplingParams``."""
+
+    @abstractmethod
+    def decode(self, ids: torch.Tensor) -> str:
+        """Token ids -> text."""
