@@ -66,10 +66,9 @@ def _samples(model: _TinyLM) -> list[Sample]:
             completion = torch.tensor(tokens)
             [logprobs] = model.token_logprobs([prompt], [completion], [PARAMS])
         assert torch.isfinite(logprobs).all()
-        trajectory = {"prompt_tokens": prompt, "completion": completion, "sampling": PARAMS}
         samples.append(Sample(request=SimpleNamespace(group=0), latents=None, sigmas=None, logprobs=logprobs,
-                              output="", advantage=1.0 if i == 0 else -1.0, **trajectory,
-                              extras={"prompt": prompt, "completion": completion, "sampling": PARAMS}))
+                              output="", advantage=1.0 if i == 0 else -1.0,
+                              prompt_tokens=prompt, completion=completion, sampling=PARAMS))
     return samples
 
 

@@ -13,7 +13,7 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.ar.policy_gradient import SequenceUnit, TokenPolicyGradient
 from omnirl_core.ar.sampling import SamplingParams, sampling_logprobs
 from omnirl_core.config import RunConfig
-from omnirl_core.contracts import Sample
+from omnirl_core.contracts import Sample, TrainingUnit
 from omnirl_core.flow.sampler import step_mean, transition_logprob
 from omnirl_core.loop.training import NonFiniteError
 
@@ -26,6 +26,10 @@ class _Linear:
 
     def trainable_parameters(self):
         return [self.weight]
+
+
+class _Unit(TrainingUnit):
+    sample = None  # a unit of no single sample: its own minibatch block
 
 
 class _Algorithm(Algorithm):
@@ -53,7 +57,7 @@ def _engine(policy: str):
 def test_a_nan_loss_stops_before_the_optimizer_step_and_names_the_way_out():
     engine, model = _engine("stop")
     with pytest.raises(NonFiniteError, match="minibatch 1: grad_norm=nan") as err:
-        engine.update(_Algorithm(bad_minibatch=0), [object(), object()], step=7)
+        engine.update(_Algorithm(bad_minibatch=0), [_Unit(), _Unit()], step=7)
     assert "train.nonfinite=skip" in err.value.render() and "step 7" in err.value.render()
     assert torch.equal(model.weight.detach(), torch.ones(3))  # untouched
     assert not engine.optimizer.state  # no AdamW step was taken
@@ -61,7 +65,7 @@ def test_a_nan_loss_stops_before_the_optimizer_step_and_names_the_way_out():
 
 def test_skip_mode_drops_the_bad_minibatch_and_counts_it():
     engine, model = _engine("skip")
-    metrics = engine.update(_Algorithm(bad_minibatch=1), [object(), object()], step=1)
+    metrics = engine.update(_Algorithm(bad_minibatch=1), [_Unit(), _Unit()], step=1)
     assert metrics["train/skipped_minibatches"] == 0.5  # 1 of 2 minibatches
     assert torch.isfinite(model.weight).all() and not torch.equal(model.weight.detach(), torch.ones(3))
     assert int(engine.optimizer.state[model.weight]["step"]) == 1
@@ -80,8 +84,8 @@ class _TokenModel:
 def test_the_reference_log_probs_for_the_kl_cover_tokens_outside_its_top_k():
     algo = TokenPolicyGradient(SimpleNamespace(beta=0.1, global_std=False, adv_clip=5.0), RunConfig())
     sample = Sample(request=None, latents=None, sigmas=None, logprobs=None, output="",
-                    extras={"prompt": None, "completion": torch.tensor([2]),
-                            "sampling": SamplingParams(top_k=2, temperature=0.7)})
+                    prompt_tokens=None, completion=torch.tensor([2]),
+                    sampling=SamplingParams(top_k=2, temperature=0.7))
     unit = SequenceUnit(sample)
     cut = algo._logprobs(_TokenModel(), [unit])[0]
     assert torch.isinf(cut).all()  # under the sampling distribution's top-2 cut: -inf, the KL's inf/NaN

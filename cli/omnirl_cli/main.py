@@ -353,15 +353,48 @@ def config_show(
     typer.echo(json.dumps(data, indent=2) if fmt == "json" else yaml.safe_dump(data, sort_keys=False))
 
 
+AllowRecipeEnvsOpt = typer.Option(
+    False, "--allow-recipe-environments", help="Honour the Ray runtime environments a recipe sets "
+    "(run.ray_runtime_envs: another interpreter, packages pip or uv installs, environment variables). They run "
+    "commands of the recipe's choosing, so without this flag such a recipe is refused under --executor ray. Your "
+    "own --set values need no flag.")
+
+
+def check_recipe_environments(recipe: str | None, layers: list[dict], resolved: Any, allowed: bool) -> None:
+    """A recipe's ``run.ray_runtime_envs`` are honoured only with ``--allow-recipe-environments``: a
+    ``py_executable``, a ``pip`` / ``uv`` list or ``env_vars`` (``LD_PRELOAD``) run what the recipe's author chose, on
+    this machine, under Ray. Refused with exit 2 otherwise; values from ``--set`` are the user's own."""
+    envs = ((layers[0].get("run") or {}).get("ray_runtime_envs") or {}) if recipe and layers else {}
+    envs = {group: spec for group, spec in envs.items() if spec} if isinstance(envs, dict) else {}
+    if not envs or allowed or resolved.config.run.executor != "ray":
+        return
+    raise UsageError(
+        f"The recipe {recipe} sets Ray runtime environments, which run commands of its choosing under --executor "
+        "ray; they are honoured only with --allow-recipe-environments.",
+        details=[f"  run.ray_runtime_envs.{group}: {_shown_env(spec)}" for group, spec in envs.items()],
+        hint="Read them in the recipe; if you trust it, rerun with --allow-recipe-environments (or remove them, or "
+        "give your own with --set run.ray_runtime_envs.GROUP.KEY=VALUE).")
+
+
+def _shown_env(spec: Any) -> str:
+    """A runtime environment for a message: environment variables by name only (values may be secrets)."""
+    if not isinstance(spec, dict):
+        return repr(spec)
+    shown = {k: (sorted(v) if k == "env_vars" and isinstance(v, dict) else v) for k, v in spec.items()}
+    return json.dumps(shown, default=str)
+
+
 @app.command()
 @run_flags()
-def train(flags: RunFlags, dry_run: bool = DryRunOpt) -> None:
+def train(flags: RunFlags, dry_run: bool = DryRunOpt, allow_recipe_environments: bool = AllowRecipeEnvsOpt) -> None:
     """Train a model with an algorithm and rewards."""
     from omnirl_core.loop.launch import Launch
     from omnirl_core.resolve import resolve_run
 
     manager = _manager()
-    resolved = resolve_run(manager, flags.layers(manager), probe_device=not dry_run)
+    layers = flags.layers(manager)
+    resolved = resolve_run(manager, layers, probe_device=not dry_run)
+    check_recipe_environments(flags.recipe, layers, resolved, allow_recipe_environments)
     launch = Launch.prepare(manager, resolved, dry_run=dry_run)
     if dry_run:
         if launch.data_problem:

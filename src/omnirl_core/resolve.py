@@ -183,6 +183,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             hint=f"Set rollout.group_size to {algo_spec.min_group_size} or more (8-24 in the papers).",
         )
 
+    apply_preset_to_rewards(config, reward_specs)
     options: dict[str, BaseModel | None] = {}
     problems: list[str] = []
     listings: dict[str, str] = {}  # the command that lists the options of each component with a problem
@@ -225,6 +226,36 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
 
 
 _LISTING = {"model": "models", "algorithm": "algos", "engine": "engines", "reward": "rewards"}
+
+
+def apply_preset_to_rewards(config: RunConfig, specs: list[RewardSpec]) -> list[str]:
+    """``--preset P`` (``model.preset``) for every reward that has a preset of that name (a ``preset`` option that
+    takes P: the learned rewards' ``tiny``, random-weight models of their architectures) and whose own ``preset``
+    the config leaves unset: a tiny run asks for no real weights anywhere. Says so in the log; returns the paths
+    set."""
+    from pydantic import TypeAdapter, ValidationError
+
+    preset = config.model.preset
+    applied: list[str] = []
+    if preset is None:
+        return applied
+    for i, (entry, spec) in enumerate(zip(config.rewards, specs)):
+        try:
+            cls = spec.load_config()
+        except ImportError:
+            continue  # reported where the options are validated
+        field = getattr(cls, "model_fields", {}).get("preset") if cls is not None else None
+        if field is None or "preset" in entry.options:
+            continue
+        try:
+            TypeAdapter(field.annotation).validate_python(preset)
+        except ValidationError:
+            continue
+        entry.options["preset"] = preset
+        applied.append(f"rewards.{i}.options.preset")
+        log.info("--preset %s applies to reward '%s' too (rewards.%d.options.preset=%s; set it to null for the "
+                 "reward's real weights)", preset, spec.name, i, preset)
+    return applied
 
 
 def check_model_limits(config: RunConfig, spec: ModelSpec, options: BaseModel | None) -> None:

@@ -41,5 +41,6 @@ def omnirl_register_models(register):
         name="slow-qwen-image", factory="slow_model:create_model",
         config="omnirl_plugin_qwen_image.model:QwenImageOptions",
         capabilities=frozenset({"flow-matching", "sde-logprob", "cfg", "lora", "image"}), presets=("tiny",),
-        preset_defaults={"tiny": TINY_IMAGE_DEFAULTS}, limits=ModelLimits(size_multiple=8),
+        preset_defaults={"tiny": {**TINY_IMAGE_DEFAULTS, "rewards": [{"name": "color"}]}},
+        limits=ModelLimits(size_multiple=8),
         description="the tiny Qwen-Image with a slow decode (tests)"))

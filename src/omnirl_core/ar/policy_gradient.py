@@ -98,16 +98,15 @@ class TokenPolicyGradient(Algorithm):
 
     def _scored(self, model: Any, units: list[SequenceUnit], cuts: tuple[bool, ...]) -> list[list[torch.Tensor]]:
         """Per-token log-probs under the sampling distribution (False) and / or uncut (True), one list per entry
-        of ``cuts``, from one forward pass where the model offers ``token_logprobs_under`` (the AR contract
-        requires only ``token_logprobs``, which then runs once per entry)."""
+        of ``cuts`` (``TokenModel.token_logprobs_under``: one forward pass for a causal LM)."""
         samples = [u.sample for u in units]
-        prompts = [s.extras["prompt"] for s in samples]
+        prompts = [s.prompt_tokens for s in samples]
         completions = [completion_tokens(s) for s in samples]
-        params = [s.extras["sampling"] for s in samples]
+        params = [s.sampling for s in samples]
         distributions = [[untruncated(p) for p in params] if uncut else params for uncut in cuts]
-        if len(distributions) > 1 and hasattr(model, "token_logprobs_under"):
+        if len(distributions) > 1:
             return model.token_logprobs_under(prompts, completions, distributions)
-        return [model.token_logprobs(prompts, completions, d) for d in distributions]
+        return [model.token_logprobs(prompts, completions, distributions[0])]
 
     def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
         """Without grad, before the update: old log-probs (recompute mode)."""

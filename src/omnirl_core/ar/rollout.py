@@ -95,5 +95,6 @@ def ar_sample(model: Any, request: GenRequest, prompt: TokenPrompt, tokens: torc
     return Sample(
         request=request, latents=None, sigmas=None, logprobs=logprobs[:n].to(torch.float32).clone(),
         output=model.decode(completion),
-        extras={"prompt": prompt, "completion": completion, "sampling": params, "truncated": not len(stops)},
+        prompt_tokens=prompt, completion=completion, sampling=params,
+        extras={"truncated": not len(stops)},
     )

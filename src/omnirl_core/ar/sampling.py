@@ -107,4 +107,4 @@ def pad_sequences(seqs: Sequence[torch.Tensor], value: int, side: str) -> tuple[
 
 def completion_tokens(sample: Any) -> torch.Tensor:
     """The sampled completion of an AR sample (stop token included), as the rollout engine stored it."""
-    return sample.extras["completion"]
+    return sample.completion

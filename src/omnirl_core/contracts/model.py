@@ -146,6 +146,14 @@ class TokenModel(PolicyModel):
                        params: Sequence[Any]) -> list[torch.Tensor]:
         """Per-token log-probs of ``completions`` after ``prompts`` under each row's ``SamplingParams``."""
 
+    def token_logprobs_under(self, prompts: Sequence[Any], completions: Sequence[torch.Tensor],
+                             distributions: Sequence[Sequence[Any]]) -> list[list[torch.Tensor]]:
+        """``token_logprobs`` under several distributions (``distributions[k]`` holds each row's
+        ``SamplingParams``), e.g. the sampling distribution for the ratio and the same without its top-k / top-p
+        cut for a KL term. This default scores once per distribution; a model that can take every distribution
+        from one forward pass overrides it (``CausalLMPolicy`` does)."""
+        return [self.token_logprobs(prompts, completions, params) for params in distributions]
+
     @abstractmethod
     def decode(self, ids: torch.Tensor) -> str:
         """Token ids -> text."""

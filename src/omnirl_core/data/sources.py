@@ -434,7 +434,9 @@ class PromptSampler:
 
 
 def open_run_data(resolved: Any) -> PromptData:
-    """The prompt data of a resolved run: ``data.prompts``, or the first reward's suggested prompts."""
+    """The prompt data of a resolved run: ``data.prompts``, or the first reward's suggested prompts (strings or
+    records; records with a ``split`` column hold their own test set, as the colour reward's do: the main job's run
+    is evaluated on them)."""
     from omnirl_core.registry import load_object
 
     default, name = None, ""

@@ -287,8 +287,8 @@ def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
         completion = torch.stack(tokens)
         out.append(Sample(request=request, latents=None, sigmas=None, logprobs=torch.stack(logprobs),
                           output=model.decode(completion),
-                          extras={"prompt": prompt, "completion": completion, "sampling": params,
-                                  "truncated": int(completion[-1]) not in params.stop_token_ids}))
+                          prompt_tokens=prompt, completion=completion, sampling=params,
+                          extras={"truncated": int(completion[-1]) not in params.stop_token_ids}))
     return out
 
 
@@ -304,8 +304,8 @@ def check_ar_logprob_consistency(model: Any, requests: Sequence[Any], params: An
     with torch.no_grad():
         for start in range(0, len(order), 3):
             chunk = [samples[i] for i in order[start:start + 3]]
-            rescored = model.token_logprobs([s.extras["prompt"] for s in chunk],
-                                            [s.extras["completion"] for s in chunk], [params] * len(chunk))
+            rescored = model.token_logprobs([s.prompt_tokens for s in chunk],
+                                            [s.completion for s in chunk], [params] * len(chunk))
             for s, lp in zip(chunk, rescored):
                 err = (lp.float().cpu() - s.logprobs).abs().max().item()
                 assert err < 1e-5, f"trainer log-probs differ from the sampled ones by {err}"

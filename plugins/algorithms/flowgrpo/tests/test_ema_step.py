@@ -71,10 +71,12 @@ def _train(options: FlowGRPOConfig, run: RunConfig, steps: int, resume_at: int |
     """``steps`` training steps through the torch engine; returns the algorithm and the weights after
     every optimizer step (index 0: the initial ones). ``resume_at``: after that step the algorithm is rebuilt
     from its checkpointed state (``state`` / ``state_tensors``), as a resumed run does."""
-    from omnirl_plugin_torch.engine import TorchTrainEngine
+    from omnirl_core.plugins import get_plugin_manager
+
+    engine_class = get_plugin_manager().resolve("engine", "torch").load_factory()  # the installed engine, by name
 
     model = LinearFlow()
-    engine = TorchTrainEngine(model, run.train, None, "cpu")
+    engine = engine_class(model, run.train, None, "cpu")
     algo = FlowGRPO(options, run)
     weights = [model.weight.detach().clone()]
     for step in range(1, steps + 1):

@@ -12,6 +12,7 @@ from omnirl_plugin_gspo.algorithm import GRPO, GSPO, GRPOConfig, GSPOConfig
 
 from omnirl_core.ar.policy_gradient import SequenceUnit, padded
 from omnirl_core.config import RunConfig
+from omnirl_core.contracts import TokenModel
 from omnirl_core.loop.training import MetricMean, prepare_all
 from omnirl_core.testing import run_train
 
@@ -94,6 +95,8 @@ class _FakePolicy:
     def token_logprobs(self, prompts, completions, params):
         return self.ref if self.in_ref else self.current
 
+    token_logprobs_under = TokenModel.token_logprobs_under  # the contract's default: once per distribution
+
     def reference(self):
         policy = self
 
@@ -111,7 +114,7 @@ def test_kl_to_the_reference_is_the_k3_estimate():
     current = _rows([-1.0, -2.0], [-0.5])
     ref = _rows([-1.2, -2.0], [-0.1])
     samples = [SimpleNamespace(logprobs=c.clone(), advantage=0.0,
-                               extras={"prompt": None, "completion": torch.zeros(len(c)), "sampling": None})
+                               prompt_tokens=None, completion=torch.zeros(len(c)), sampling=None)
                for c in current]
     algo = GRPO(GRPOConfig(beta=0.1), RunConfig())
     assert algo.uses_reference
@@ -138,7 +141,7 @@ def test_rs_mask_rejects_a_sequence_whose_rollout_logprobs_disagree(mode: str):
     current = _rows([-1.0, -2.0], [-0.5])
     rollout = _rows([-1.0, -2.0], [-1.5])
     samples = [SimpleNamespace(logprobs=r.clone(), advantage=1.0,
-                               extras={"prompt": None, "completion": torch.zeros(len(r)), "sampling": None})
+                               prompt_tokens=None, completion=torch.zeros(len(r)), sampling=None)
                for r in rollout]
     config = RunConfig()
     config.train.old_logprob = mode

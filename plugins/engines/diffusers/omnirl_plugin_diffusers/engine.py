@@ -122,7 +122,7 @@ class _Progress:
         self.last = now
         elapsed = now - self.start
         left = (f"; about {_duration(elapsed * (self.total - self.done) / self.done)} of denoising left (estimate)"
-                if self.done else "")
+                if 0 < self.done < self.total else "")
         log.info("rollout: %d of %d denoising steps done (%d requests, %d of them finished) in %s%s%s",
                  self.done, self.total, self.samples, self.finished, _duration(elapsed), left,
                  f"; {running}" if running else "")
@@ -130,6 +130,10 @@ class _Progress:
     def waiting(self, what: str) -> Any:
         """A heartbeat for ``interruptible``: progress while one long call runs."""
         return lambda seconds: self.report(f"{what}, running for {_duration(seconds)}")
+
+    heartbeat_s = 5.0
+    """How often a long call's wait looks at the clock (``report`` says something at most every
+    ``PROGRESS_AFTER_S``)."""
 
 
 def _duration(seconds: float) -> str:
@@ -268,7 +272,8 @@ class DiffusersRolloutEngine(RolloutEngine):
             conds = self.embeddings.lookup([s.request.prompt for s in slots])
             return conds, self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
 
-        conds, uncond = interruptible(_no_grad(encode, self.device), self.progress.waiting("encoding prompts"))
+        conds, uncond = interruptible(_no_grad(encode, self.device), self.progress.waiting("encoding prompts"),
+                                      self.progress.heartbeat_s)
         for slot, cond in zip(slots, conds):
             r = slot.request
             shape = slot.key[0]
@@ -308,7 +313,8 @@ class DiffusersRolloutEngine(RolloutEngine):
         scale = float(batch.key[1])
         step = f"{min(s.step for s in batch.rows) + 1} of {batch.rows[0].num_steps}"
         v = interruptible(_no_grad(lambda: self.model.velocity(x, s_now, cond, scale, uncond), self.device),
-                          self.progress.waiting(f"denoising step {step} for {len(batch.rows)} request(s)"))
+                          self.progress.waiting(f"denoising step {step} for {len(batch.rows)} request(s)"),
+                          self.progress.heartbeat_s)
         t1 = time.perf_counter()
         groups: dict[tuple[str, float], list[int]] = {}
         for j, s in enumerate(batch.rows):
@@ -358,7 +364,7 @@ class DiffusersRolloutEngine(RolloutEngine):
             t0 = time.perf_counter()
             latents = torch.stack([s.state.x for s in group])
             images = interruptible(_no_grad(functools.partial(self.model.decode, latents), self.device),
-                                   self.progress.waiting(f"decoding {len(group)} sample(s)"))
+                                   self.progress.waiting(f"decoding {len(group)} sample(s)"), self.progress.heartbeat_s)
             finished = time.perf_counter()
             self.progress.decoded(len(group))
             self.stats.seconds["decode"] += finished - t0

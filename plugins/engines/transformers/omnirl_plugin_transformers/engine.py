@@ -99,8 +99,8 @@ class TransformersRolloutEngine(RolloutEngine):
         generated = out[:, inputs["input_ids"].shape[1]:].cpu()
         for b, (request, prompt) in enumerate(zip(batch, prompts)):
             sample = ar_sample(self.model, request, prompt, tokens[b], logprobs[b], self.params)
-            n = len(sample.extras["completion"])
-            if not torch.equal(generated[b, :n], sample.extras["completion"]):
+            n = len(sample.completion)
+            if not torch.equal(generated[b, :n], sample.completion):
                 raise RuntimeError("generate did not emit the sampled tokens: another logits processor or a "
                                    "forced token interfered with sampling")
             yield sample

@@ -55,9 +55,9 @@ def test_sampled_logprobs_are_what_the_trainer_rescores(model, sampling: dict):
                    .generate(_requests()))
     assert len(samples) == 8 and all(torch.isfinite(s.logprobs).all() for s in samples)
     with torch.no_grad():
-        rescored = model.token_logprobs([s.extras["prompt"] for s in samples][::-1],
-                                        [s.extras["completion"] for s in samples][::-1],
-                                        [s.extras["sampling"] for s in samples][::-1])[::-1]
+        rescored = model.token_logprobs([s.prompt_tokens for s in samples][::-1],
+                                        [s.completion for s in samples][::-1],
+                                        [s.sampling for s in samples][::-1])[::-1]
     assert max(float((a - s.logprobs).abs().max()) for a, s in zip(rescored, samples)) < 1e-5
 
 
@@ -65,9 +65,9 @@ def test_a_request_samples_the_same_tokens_alone_or_in_a_batch(model):
     engine = TransformersRolloutEngine(model, TransformersRolloutOptions(max_new_tokens=5), "cpu")
     batch = list(engine.generate(_requests(group_size=3)))
     [alone] = engine.generate([_requests(group_size=3)[4]])
-    assert torch.equal(batch[4].extras["completion"], alone.extras["completion"])
+    assert torch.equal(batch[4].completion, alone.completion)
     torch.testing.assert_close(batch[4].logprobs, alone.logprobs, atol=1e-5, rtol=0)
-    assert len({tuple(s.extras["completion"].tolist()) for s in batch}) > 1  # seeds differ per request
+    assert len({tuple(s.completion.tolist()) for s in batch}) > 1  # seeds differ per request
 
 
 def test_checkpoint_generation_defaults_do_not_leak_into_sampling(model):
@@ -77,9 +77,9 @@ def test_checkpoint_generation_defaults_do_not_leak_into_sampling(model):
     try:
         samples = list(TransformersRolloutEngine(model, TransformersRolloutOptions(max_new_tokens=6), "cpu")
                        .generate(_requests()))
-        rescored = model.token_logprobs([s.extras["prompt"] for s in samples],
-                                        [s.extras["completion"] for s in samples],
-                                        [s.extras["sampling"] for s in samples])
+        rescored = model.token_logprobs([s.prompt_tokens for s in samples],
+                                        [s.completion for s in samples],
+                                        [s.sampling for s in samples])
         assert max(float((a.detach() - s.logprobs).abs().max()) for a, s in zip(rescored, samples)) < 1e-5
         assert model.module.generation_config.repetition_penalty == 3.0  # restored
     finally:

@@ -65,8 +65,8 @@ def requests(n: int = 8, seed: int = 100) -> list[GenRequest]:
 def trainer_delta(model, samples) -> float:
     """Largest |trainer's re-scored log-prob - engine's| over every sampled token (logprob/abs_delta_max)."""
     with torch.no_grad():
-        ours = model.token_logprobs([s.extras["prompt"] for s in samples], [completion_tokens(s) for s in samples],
-                                    [s.extras["sampling"] for s in samples])
+        ours = model.token_logprobs([s.prompt_tokens for s in samples], [completion_tokens(s) for s in samples],
+                                    [s.sampling for s in samples])
     return max(float((s.logprobs - o).abs().max()) for s, o in zip(samples, ours))
 
 

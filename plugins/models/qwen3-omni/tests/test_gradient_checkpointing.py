@@ -96,7 +96,7 @@ def test_rollout_is_unchanged_by_checkpointing(models):
     runs = [ar_rollout(models[c], requests, SamplingParams(max_new_tokens=4, stop_token_ids=models[c].stop_token_ids))
             for c in (False, True)]
     for a, b in zip(*runs):
-        assert torch.equal(a.extras["completion"], b.extras["completion"])
+        assert torch.equal(a.completion, b.completion)
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-6)
 
 

@@ -161,7 +161,7 @@ def test_trainer_rescoring_equals_rollout_logprobs(shared_model, media: dict[str
     assert len(samples) == 8
     if "allowed_tokens" in sampling:
         allowed = {model.token_id(t) for t in "ABC"} | set(model.stop_token_ids)
-        assert all(set(s.extras["completion"].tolist()) <= allowed for s in samples)
+        assert all(set(s.completion.tolist()) <= allowed for s in samples)
 
 
 def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_path: Path):
@@ -179,14 +179,14 @@ def test_lora_weights_save_in_the_peft_layout_and_reload(tiny_dir: Path, tmp_pat
     from peft import PeftModel
 
     base, _, _ = load_thinker(str(tiny_dir), torch.float32, "sdpa")
-    ids = samples[0].extras["prompt"].input_ids[None]
+    ids = samples[0].prompt_tokens.input_ids[None]
     with torch.no_grad():
         torch.testing.assert_close(PeftModel.from_pretrained(base, str(tmp_path))(input_ids=ids).logits,
                                    model.module(input_ids=ids).logits)
     fresh = _model(tiny_dir)
     fresh.load_trained(tmp_path)
-    args = ([s.extras["prompt"] for s in samples], [s.extras["completion"] for s in samples],
-            [s.extras["sampling"] for s in samples])
+    args = ([s.prompt_tokens for s in samples], [s.completion for s in samples],
+            [s.sampling for s in samples])
     with torch.no_grad():
         for a, b in zip(model.token_logprobs(*args), fresh.token_logprobs(*args)):
             torch.testing.assert_close(a, b)

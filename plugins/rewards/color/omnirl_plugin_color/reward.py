@@ -31,7 +31,10 @@ PALETTE: dict[str, tuple[float, float, float]] = {
     "grey": (0.5, 0.5, 0.5),
 }
 
-DEFAULT_PROMPTS = ["a red square", "a green square", "a blue square", "a yellow square"]
+# the suggested prompts (a run's data when it names none, e.g. the main job's): four to train on and, in the data's
+# `split` column, four held out with another shape, which `omnirl eval RUN_DIR` and run.eval_every evaluate on
+DEFAULT_PROMPTS = ([{"prompt": f"a {c} square", "split": "train"} for c in ("red", "green", "blue", "yellow")]
+                   + [{"prompt": f"a {c} circle", "split": "test"} for c in ("red", "green", "blue", "yellow")])
 
 
 class ColorOptions(BaseModel):
