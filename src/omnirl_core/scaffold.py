@@ -140,27 +140,24 @@ SDE and trained), ``surrogate`` (the per-transition objective) or ``transition_k
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient
 from omnirl_core.contracts import RolloutPlan
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient, FlowPolicyGradientOptions
 
 
-class {cls}Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    noise_level: float = Field(0.7, gt=0, description="SDE noise level (eta).")
-    clip_range: float = Field(1e-4, gt=0, description="PPO ratio clip.")
-    beta: float = Field(0.0, ge=0, description="KL coefficient (exact Gaussian KL to the base model).")
-    adv_clip: float = Field(5.0, gt=0, description="Advantage clip.")
-    global_std: bool = Field(False, description="Normalise advantages by the whole batch's std.")
+class {cls}Options(FlowPolicyGradientOptions):
+    """FlowPolicyGradient's options (noise_level, clip_range, beta, adv_clip, global_std) and this algorithm's."""
+
+    sde_steps: int | None = Field(None, ge=1, description="Train only the first N denoising steps (None: all).")
 
 
 class {cls}(FlowPolicyGradient):
     def __init__(self, options: {cls}Options | None, config):
         super().__init__(options or {cls}Options(), config)
-        steps = tuple(range(self.num_steps))
-        self._plan = RolloutPlan(step_kinds=("sde",) * self.num_steps, train_steps=steps,
-                                 eta=self.options.noise_level)
+        steps = tuple(range(min(self.num_steps, self.options.sde_steps or self.num_steps)))
+        kinds = ("sde",) * len(steps) + ("ode",) * (self.num_steps - len(steps))
+        self._plan = RolloutPlan(step_kinds=kinds, train_steps=steps, eta=self.options.noise_level)
 
     def plan(self, step: int) -> RolloutPlan:
         return self._plan

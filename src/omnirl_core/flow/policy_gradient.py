@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
@@ -92,9 +93,23 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> to
     return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip))
 
 
+class FlowPolicyGradientOptions(BaseModel):
+    """The options ``FlowPolicyGradient`` reads; an algorithm's options subclass it, add their own, and override a
+    default where theirs differs."""
+
+    model_config = ConfigDict(extra="forbid")
+    noise_level: float = Field(0.7, gt=0, description="eta: the noise level of the stochastic (trained) steps.")
+    clip_range: float = Field(1e-4, gt=0, description="PPO clip e on the ratio.")
+    beta: float = Field(0.0, ge=0, description="KL weight to the reference (base model); 0 turns it off.")
+    adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
+    global_std: bool = Field(False, description="Normalise advantages by the batch std (True) or per group.")
+
+
 class FlowPolicyGradient(Algorithm):
-    """FlowGRPO's structure. Subclasses read these option names from their own config class:
-    ``noise_level``, ``clip_range``, ``beta``, ``adv_clip``, ``global_std``."""
+    """FlowGRPO's structure: group advantages, one unit per trained step, the clipped surrogate and the exact KL to
+    the reference. Its options are a ``FlowPolicyGradientOptions``."""
+
+    options: FlowPolicyGradientOptions
 
     reference_fields = ("ref_mean",)
     controller_reads_trajectory = False  # advantages from rewards, units are (sample, step) references
@@ -103,7 +118,7 @@ class FlowPolicyGradient(Algorithm):
     """A subclass whose objective uses the pre-update transition means (GRPO-Guard) sets this: ``prepare``
     then computes them in bypass mode too."""
 
-    def __init__(self, options: Any, config: RunConfig):
+    def __init__(self, options: FlowPolicyGradientOptions, config: RunConfig):
         super().__init__(options, config)
         self.uses_reference = options.beta > 0
         self.num_steps = config.rollout.num_steps

@@ -345,6 +345,30 @@ def consume_stream(stream: Any, dispatch: _RewardDispatch, hold: bool, score: bo
             dispatch.pending.append(ref)
 
 
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Ray's switch between a node reachable from other machines and one on the loopback only (its default off
+Linux): with ``0`` the node's address is 127.0.0.1 and the GCS, the raylet, the workers and the agents listen on
+it alone."""
+
+
+def loopback_only() -> None:
+    """Make the local Ray instance a run starts (no ``run.ray_address``) listen on 127.0.0.1 only, not on every
+    interface: nothing else needs to reach it, and Ray's RPC takes no credentials. Ray reads the switch when it
+    is imported (its processes inherit it), so it is set before; joining a cluster (``--ray-address``) leaves Ray
+    as the cluster is."""
+    import sys
+
+    if "ray" not in sys.modules:
+        os.environ[LOOPBACK_ENV] = "0"
+        return
+    from ray._private import ray_constants  # imported already: its switch is read
+
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        log.warning("Ray was imported before the run started its local instance, which will listen on every "
+                    "interface of this machine; set %s=0 before starting omnirl to keep it on 127.0.0.1",
+                    LOOPBACK_ENV)
+
+
 RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
 
 
@@ -431,6 +455,9 @@ class RayExecutor:
 
     # -- placement -----------------------------------------------------------------------------
     def _connect(self) -> None:
+        address = self.resolved.config.run.ray_address
+        if address is None:
+            loopback_only()
         import ray
 
         if ray.is_initialized():
@@ -439,7 +466,7 @@ class RayExecutor:
         # torch's pools to the CPUs Ray assigned it (threads.configure)
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-        ray.init(address=self.resolved.config.run.ray_address, include_dashboard=False,
+        ray.init(address=address, include_dashboard=False, dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": env} if env else None)
         self._started_ray = True
 

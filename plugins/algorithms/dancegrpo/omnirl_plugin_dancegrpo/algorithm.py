@@ -14,17 +14,16 @@ import random
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import RolloutPlan, Sample
 from omnirl_core.errors import ConfigError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient, FlowPolicyGradientOptions, Transition
 from omnirl_core.rl.advantage import group_advantages
 
 
-class DanceGRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DanceGRPOConfig(FlowPolicyGradientOptions):
     noise_level: float = Field(0.3, gt=0, description="eta of the Dance-SDE (0.3 FLUX; 0.7 in MixGRPO's runs).")
     timestep_fraction: float = Field(
         0.6, gt=0, le=1, description="Fraction of the denoising steps trained per sample, drawn at random."
@@ -37,10 +36,6 @@ class DanceGRPOConfig(BaseModel):
         "sum-of-advantages", description="Several rewards: sum of per-reward group advantages (the paper's), or "
         "one advantage of the weighted reward sum."
     )
-    clip_range: float = Field(1e-4, gt=0, description="PPO clip e on the ratio.")
-    beta: float = Field(0.0, ge=0, description="KL weight to the reference (none in the paper).")
-    adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
-    global_std: bool = Field(False, description="Normalise advantages by the batch std (True) or per group.")
 
 
 def summed_advantages(samples: list[Sample], weights: dict[str, float], global_std: bool,

@@ -34,21 +34,23 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import RolloutPlan
 from omnirl_core.errors import ConfigError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient, Transition, TransitionBatch
+from omnirl_core.flow.policy_gradient import (
+    FlowPolicyGradient,
+    FlowPolicyGradientOptions,
+    Transition,
+    TransitionBatch,
+)
 from omnirl_core.flow.sampler import gaussian_kl
 from omnirl_core.rl.ema import ShadowParameters
 
 
-class FlowGRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FlowGRPOConfig(FlowPolicyGradientOptions):
     sampler: Literal["sde", "cps"] = Field("sde", description="Stochastic sampler of the trained steps.")
-    noise_level: float = Field(0.7, gt=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image; CPS 0.8).")
-    clip_range: float = Field(1e-4, gt=0, description="PPO clip e on the ratio.")
     beta: float = Field(0.04, ge=0, description="KL weight to the reference (base model); 0 turns it off.")
     kl_convention: Literal["exact", "flow_grpo"] = Field(
         "exact", description="KL term that beta multiplies: exact (the Gaussian KL between the transitions) or "
@@ -70,7 +72,6 @@ class FlowGRPOConfig(BaseModel):
         "micro-batch of micro_batch_size samples (each through every trained step) as flow_grpo's train_sd3.py "
         "does, i.e. its gradient-accumulation count per optimizer step. See the plugin README."
     )
-    adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
     global_std: bool = Field(True, description="Normalise advantages by the batch std (True) or per group.")
     window: int | None = Field(
         None, ge=1, description="Fast variant: only this many consecutive steps are SDE and trained (None: all "

@@ -15,12 +15,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import RolloutPlan
 from omnirl_core.flow.policy_gradient import (
     FlowPolicyGradient,
+    FlowPolicyGradientOptions,
     Transition,
     TransitionBatch,
     clipped_surrogate,
@@ -28,17 +29,14 @@ from omnirl_core.flow.policy_gradient import (
 from omnirl_core.flow.sampler import mean_over_dims
 
 
-class GRPOGuardConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class GRPOGuardConfig(FlowPolicyGradientOptions):
     sampler: Literal["sde", "dance"] = Field(
         "sde", description="Stochastic sampler of the trained steps: Flow-SDE or Dance-SDE (Gaussian log-probs)."
     )
-    noise_level: float = Field(0.7, gt=0, description="eta: SDE noise level (0.7 SD3.5, 1.2 Qwen-Image).")
     clip_range: float = Field(2e-6, gt=0, description="Clip e on the normalised ratio (2e-6 in the reference).")
     normalize_ratio: bool = Field(True, description="Use the normalised ratio rho~ (False: FlowGRPO's ratio).")
     reweight_steps: bool = Field(True, description="Divide each step's loss by its step size D = s - s'.")
     beta: float = Field(0.04, ge=0, description="KL weight to the reference (base model); 0 turns it off.")
-    adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
     global_std: bool = Field(True, description="Normalise advantages by the batch std (True) or per group.")
 
 

@@ -18,21 +18,19 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import RolloutPlan
 from omnirl_core.errors import ConfigError
-from omnirl_core.flow.policy_gradient import FlowPolicyGradient
+from omnirl_core.flow.policy_gradient import FlowPolicyGradient, FlowPolicyGradientOptions
 
 
-class MixGRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MixGRPOConfig(FlowPolicyGradientOptions):
     sampler: Literal["dance", "sde", "cps"] = Field(
         "sde", description="SDE of the window steps: 'sde' (Flow-SDE at eta 0.7, as the paper's released training "
         "scripts run MixGRPO), 'dance' (Dance-SDE, DanceGRPO's), 'cps'."
     )
-    noise_level: float = Field(0.7, gt=0, description="eta of the window SDE (0.7 in the paper).")
     window_size: int = Field(4, ge=1, description="w: consecutive SDE steps that are trained (4 of 25 in the paper).")
     window_schedule: Literal["progressive", "random", "frozen"] = Field(
         "progressive", description="How the window start l moves over training."
@@ -52,10 +50,6 @@ class MixGRPOConfig(BaseModel):
     flash_compression: int = Field(
         2, ge=1, description="Flash: schedule steps after the window merged into one solver step."
     )
-    clip_range: float = Field(1e-4, gt=0, description="PPO clip e on the ratio.")
-    beta: float = Field(0.0, ge=0, description="KL weight to the reference (base model); 0 turns it off.")
-    adv_clip: float = Field(5.0, gt=0, description="Advantages are clipped to [-adv_clip, adv_clip].")
-    global_std: bool = Field(False, description="Normalise advantages by the batch std (True) or per group.")
 
 
 def window_start(options: MixGRPOConfig, num_steps: int, step: int, seed: int) -> int:

@@ -264,3 +264,13 @@ def test_cached_conditioning_does_not_depend_on_the_other_prompts(model):
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="mode"):
         DiffusersRolloutOptions(mode="dynamic")
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_the_rollout_engine_contract_suite(model, mode: str):
+    """The core's rollout-engine suite: samples, trajectories, seeds and the trainer's re-evaluation."""
+    from omnirl_core.testing.engines import check_rollout_engine
+
+    samples = check_rollout_engine(
+        lambda m: DiffusersRolloutEngine(m, DiffusersRolloutOptions(mode=mode, max_num_seqs=2), "cpu"), model=model)
+    assert len(samples) == 6
