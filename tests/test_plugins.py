@@ -252,7 +252,7 @@ MANIFEST = """
     name = "shade-po"
     factory = "builtins:object"
     requires = ["flow-matching"]
-    needs_logprobs = false
+    needs_ema = false
     [algorithm.preset_defaults.tiny.algorithm.options]
     beta = 2.0
 
@@ -292,7 +292,7 @@ def test_a_manifest_registers_its_components_with_the_spec_types(package, manage
     assert isinstance(reward.resources["CPU"], float) and reward.aliases == ("tint",)
     algorithm = manager.resolve("algorithm", "shade-po")
     assert isinstance(algorithm, AlgorithmSpec) and algorithm.requires == frozenset({"flow-matching"})
-    assert algorithm.needs_logprobs is False and algorithm.needs_reference is False  # the field's default
+    assert algorithm.needs_ema is False and algorithm.needs_reference is False  # the field's default
     assert algorithm.preset_defaults == {"tiny": {"algorithm": {"options": {"beta": 2.0}}}}
     model = manager.resolve("model", "shady")
     assert model.capabilities == frozenset({"flow-matching", "image"}) and model.presets == ("tiny",)
@@ -305,10 +305,10 @@ def test_a_manifest_registers_its_components_with_the_spec_types(package, manage
 
 
 @pytest.mark.parametrize("manifest,key,message", [
-    ('[[reward]]\nname = "x"\nfactory = "builtins:object"\nbatch = false\n', "batch",
-     "unknown key 'batch'. Did you mean 'batched'?"),
-    ('[[reward]]\nname = "x"\nfactory = "builtins:object"\nbatched = "no"\n', "batched",
-     "'batched' must be a boolean, not a string"),
+    ('[[reward]]\nname = "x"\nfactory = "builtins:object"\nmodalty = "image"\n', "modalty",
+     "unknown key 'modalty'. Did you mean 'modality'?"),
+    ('[[algorithm]]\nname = "x"\nfactory = "builtins:object"\nneeds_ema = "no"\n', "needs_ema",
+     "'needs_ema' must be a boolean, not a string"),
     ('[[algorithm]]\nname = "x"\nfactory = "builtins:object"\nrequires = "flow-matching"\n', "requires",
      "'requires' must be an array of strings, not a string"),
     ('[[rewards]]\nname = "x"\nfactory = "builtins:object"\n', "rewards",

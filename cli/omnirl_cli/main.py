@@ -98,7 +98,7 @@ def _check_format(fmt: str) -> None:
 
 COLUMNS = {
     "model": ["name", "plugin", "capabilities", "presets", "description"],
-    "algorithm": ["name", "plugin", "requires", "needs_logprobs", "needs_reference", "description"],
+    "algorithm": ["name", "plugin", "requires", "needs_reference", "description"],
     "engine": ["name", "plugin", "roles", "devices", "description"],
     "reward": ["name", "plugin", "modality", "description"],
     "device": ["name", "plugin", "available", "torch_device", "backend", "ray_resource", "priority"],

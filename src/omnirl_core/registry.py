@@ -114,9 +114,7 @@ class ModelSpec(ComponentSpec):
 class AlgorithmSpec(ComponentSpec):
     kind: ClassVar[str] = "algorithm"
     requires: frozenset[str] = frozenset()
-    needs_logprobs: bool = True
     needs_reference: bool = False
-    needs_pairs: bool = False
     needs_ema: bool = False
     min_group_size: int = 2
     """Samples per prompt the algorithm needs (group-relative advantages, best-vs-worst pairs: 2)."""
@@ -129,9 +127,7 @@ class AlgorithmSpec(ComponentSpec):
         return {
             **super().summary(),
             "requires": sorted(self.requires),
-            "needs_logprobs": self.needs_logprobs,
             "needs_reference": self.needs_reference,
-            "needs_pairs": self.needs_pairs,
             "needs_ema": self.needs_ema,
         }
 
@@ -158,7 +154,6 @@ class RewardSpec(ComponentSpec):
     kind: ClassVar[str] = "reward"
     modality: str | tuple[str, ...] = "image"
     """The output kind it scores (a model capability: 'image', 'video', ...), several, or 'any'."""
-    batched: bool = True
     resources: dict[str, float] = field(default_factory=dict)
     default_prompts: Any = None
     """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
@@ -174,7 +169,6 @@ class RewardSpec(ComponentSpec):
         return {
             **super().summary(),
             "modality": ", ".join(self.modalities),
-            "batched": self.batched,
             "resources": dict(self.resources),
         }
 

@@ -131,7 +131,6 @@ def test_listed_and_loadable():
         "description": "A GRPO-style policy gradient on every SDE step (replace with your objective).",
         "factory": "{cls}",
         "manifest": '''requires = ["flow-matching", "sde-logprob"]  # the model capabilities it needs
-needs_logprobs = true
 needs_reference = true
 ''',
         "code": '''"""The {name} algorithm: FlowGRPO's structure (``FlowPolicyGradient``: group advantages, clipped ratio,

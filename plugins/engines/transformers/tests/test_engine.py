@@ -84,3 +84,31 @@ def test_checkpoint_generation_defaults_do_not_leak_into_sampling(model):
         assert model.module.generation_config.repetition_penalty == 3.0  # restored
     finally:
         model.module.generation_config.repetition_penalty = saved
+
+
+@pytest.mark.parametrize("max_batch_size", [32, 2])
+def test_the_rollout_engine_contract_suite(model, max_batch_size: int):
+    """The core's rollout-engine suite, token variant: samples, token trajectories, seeds and the re-scoring."""
+    from omnirl_core.testing.engines import check_rollout_engine
+
+    samples = check_rollout_engine(lambda m: TransformersRolloutEngine(
+        m, TransformersRolloutOptions(max_new_tokens=6, max_batch_size=max_batch_size), "cpu"), model=model)
+    assert len(samples) == 6 and all(s.completion.numel() >= 1 for s in samples)
+
+
+def test_the_rollout_engine_contract_suite_on_tiny_qwen3_omni(tmp_path):
+    """The same suite on a real omni model's thinker (the tiny Qwen3-Omni preset: MoE, the real Qwen tokenizer and
+    chat template), when its plugin is installed."""
+    pytest.importorskip("omnirl_plugin_qwen3_omni")
+    from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model
+    from omnirl_plugin_qwen3_omni.tiny import save_tiny
+
+    from omnirl_core.config import LoraConfig, ModelSection
+    from omnirl_core.testing.engines import check_rollout_engine
+
+    path = save_tiny(tmp_path / "qwen3-omni-tiny", seed=3)
+    omni = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(path)), Qwen3OmniOptions(), "cpu")
+    omni.setup_training(LoraConfig(rank=4, alpha=8), need_reference=False)
+    samples = check_rollout_engine(lambda m: TransformersRolloutEngine(
+        m, TransformersRolloutOptions(max_new_tokens=6, max_batch_size=4), "cpu"), model=omni)
+    assert all(s.prompt_tokens.input_ids.numel() > len(s.request.prompt.split()) for s in samples)  # the template

@@ -41,7 +41,7 @@ def test_registered_with_the_old_name_as_an_alias():
     manager.register(omnirl_plugin_vlm_judge, "vlm-judge")
     spec = manager.resolve("reward", "vlm-judge")
     assert manager.resolve("reward", "http-judge") is spec
-    assert spec.batched and spec.resources == {"CPU": 0.1} and spec.modalities == ("image",)
+    assert spec.resources == {"CPU": 0.1} and spec.modalities == ("image",)
     assert spec.load_factory() is VLMJudge and spec.load_config() is VLMJudgeOptions
 
 
