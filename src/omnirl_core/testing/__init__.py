@@ -216,6 +216,34 @@ def check_lora_roundtrip(model: Any, directory: Any, load_pipeline: Any, render:
             torch.testing.assert_close(loaded[key], value, msg=key)
 
 
+def check_model_plugin(build: Any, height: int, width: int, num_frames: int | None = None, *,
+                       guidance_scale: float = 1.0, directory: Any = None, load_pipeline: Any = None,
+                       render: Any = None, load_lora: Any = None, checkpointing: Any = None,
+                       blocks: Any = None, large_size: int | None = None) -> None:
+    """Every suite a flow-model plugin's tests run, in one call. ``build(gradient_checkpointing=False)`` returns a
+    fresh model of the plugin's tiny preset, set up for training with LoRA (``trainable``). Always:
+    ``check_flow_model`` (contract, shapes, guidance, reference, decode; batch invariance) and
+    ``check_logprob_consistency`` (at ``guidance_scale``). With ``directory``, ``load_pipeline`` and ``render``:
+    ``check_lora_roundtrip`` (the saved LoRA loads into the ecosystem's pipeline and changes its output). With
+    ``blocks`` and ``large_size`` (the model honours ``gradient_checkpointing``): ``check_gradient_checkpointing``
+    on ``build(gradient_checkpointing=False)`` and ``build(gradient_checkpointing=True)`` with the same adapter."""
+    check_flow_model(build(gradient_checkpointing=False), height, width, num_frames)
+    check_logprob_consistency(build(gradient_checkpointing=False), height, width, num_frames,
+                              guidance_scale=guidance_scale)
+    if directory is not None and load_pipeline is not None and render is not None:
+        check_lora_roundtrip(build(gradient_checkpointing=False), directory, load_pipeline, render, load_lora)
+    if blocks is not None and large_size is not None:
+        import torch
+
+        pair = [build(gradient_checkpointing=c) for c in (False, True)]
+        for model in pair:  # the same non-zero adapter in both, so that every LoRA matrix gets a gradient
+            generator = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in model.trainable_parameters():
+                    p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+        check_gradient_checkpointing(*pair, blocks, height, large_size, num_frames)
+
+
 def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
     """A reward returns one finite float per sample and is deterministic."""
     import math
