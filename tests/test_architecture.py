@@ -179,6 +179,9 @@ NAME_ALLOWED = {
     ("omnirl_core.testing.forkserver", "diffusers"): "the library, preloaded",
     ("omnirl_core.testing.forkserver", "transformers"): "the library, preloaded",
     ("omnirl_core.data.builtin.make_sets", "color"): "a column of the colour prompt set",
+    ("omnirl_core.plan.activations", "torch"): "the library's version, part of a cached trace's key",
+    ("omnirl_core.plan.activations", "diffusers"): "the library's version, part of a cached trace's key",
+    ("omnirl_core.plan.activations", "transformers"): "the library's version, part of a cached trace's key",
 }
 
 

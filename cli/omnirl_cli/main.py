@@ -20,9 +20,9 @@ from typing import Any
 import typer
 import yaml
 
-from omnirl_core import __version__
 from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, OmnirlError, RunInterrupted, UsageError
 from omnirl_core.host import threads
+from omnirl_core.project import __version__
 
 threads.apply_env()  # the OpenMP pool's size and wait policy: read once, when torch loads (after this)
 

@@ -1,16 +1,11 @@
-"""omnirl core: hook specs, discovery, registries, config, sampler math and the controller loop.
+"""omnirl core: the contracts (``omnirl_core.contracts``), hook specs, discovery, registries, config, the math
+(``flow``, ``ar``, ``rl``), the step loop and the run directory.
 
+The Python API is ``train``, ``evaluate`` and ``plan`` (``omnirl_core.api``), what the CLI's commands call.
 Importing this package is cheap: no torch. Modules that need torch import it themselves.
 """
 
-import pluggy
+from omnirl_core.api import evaluate, plan, train
+from omnirl_core.project import ENTRY_POINT_GROUP, PROJECT, __version__, hookimpl
 
-__version__ = "0.1.0"
-
-PROJECT = "omnirl"
-ENTRY_POINT_GROUP = "omnirl.plugins"
-
-hookimpl = pluggy.HookimplMarker(PROJECT)
-"""Decorator plugins put on their hook implementations."""
-
-__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "__version__", "hookimpl"]
+__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "__version__", "evaluate", "hookimpl", "plan", "train"]

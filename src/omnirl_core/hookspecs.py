@@ -25,7 +25,7 @@ from typing import Any
 
 import pluggy
 
-from omnirl_core import PROJECT
+from omnirl_core.project import PROJECT
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 

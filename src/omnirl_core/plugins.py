@@ -25,9 +25,10 @@ from typing import Any
 
 import pluggy
 
-from omnirl_core import ENTRY_POINT_GROUP, PROJECT, hookspecs
+from omnirl_core import hookspecs
 from omnirl_core.errors import OmnirlError, PluginError
 from omnirl_core.manifest import manifest_specs
+from omnirl_core.project import ENTRY_POINT_GROUP, PROJECT
 from omnirl_core.registry import ComponentSpec, Registry
 
 

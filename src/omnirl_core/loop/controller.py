@@ -181,17 +181,16 @@ class Controller:
         """The held-out evaluation after step ``step``'s update (``omnirl_core.loop.evaluation``): the first
         ``run.eval_prompts`` test prompts, ``run.eval_samples`` fixed seeds each, the ODE sampler; returns
         its ``eval/*`` metrics and writes ``eval/step-N/``."""
-        from omnirl_core.loop.evaluation import eval_steps, evaluate, write_results
+        from omnirl_core.loop.evaluation import eval_settings, evaluate, write_results
 
         cfg = self.cfg
         t0 = time.perf_counter()
         records = (self.data.test or [])[:cfg.run.eval_prompts]
         result = evaluate(lambda requests: self.executor.rollout(requests, evaluation=True)[0], records, cfg,
                           cfg.run.eval_samples, cfg.run.seed, label="trained")
-        settings = {"step": step, "checkpoint": None, "during_training": True, "prompts": self.data.source,
-                    "test_prompts": len(records), "samples_per_prompt": cfg.run.eval_samples, "seed": cfg.run.seed,
-                    "sampler": "ode", "num_steps": eval_steps(cfg),
-                    "guidance_scale": cfg.rollout.guidance_scale}
+        settings = eval_settings(cfg, step=step, checkpoint=None, weights=None, during_training=True,
+                                 prompts=self.data.source, test_prompts=len(records), samples=cfg.run.eval_samples,
+                                 seed=cfg.run.seed)
         write_results(self.run_dir.path / "eval" / f"step-{step:06d}", [result], settings,
                       samples_per_prompt=cfg.run.eval_samples)
         return {**result.flat(), "time/eval_s": time.perf_counter() - t0}

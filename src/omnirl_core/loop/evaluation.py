@@ -183,6 +183,15 @@ def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | Non
     return path
 
 
+def eval_settings(cfg: Any, *, step: int, checkpoint: str | None, weights: str | None, during_training: bool,
+                  prompts: str, test_prompts: int, samples: int, seed: int) -> dict[str, Any]:
+    """The settings an evaluation's ``results.json`` records, during training and from ``omnirl eval`` alike."""
+    return {"step": step, "checkpoint": checkpoint, "weights": weights, "during_training": during_training,
+            "prompts": prompts, "test_prompts": test_prompts, "samples_per_prompt": samples, "seed": seed,
+            "sampler": "ode", "num_steps": eval_steps(cfg), "guidance_scale": cfg.rollout.guidance_scale,
+            "rewards": [f"{e.name} x{e.weight:g}" for e in cfg.rewards]}
+
+
 def write_results(directory: Path, results: list[EvalResult], settings: dict[str, Any],
                   comparison: dict[str, dict[str, float]] | None = None, samples_per_prompt: int = 1) -> Path:
     """``directory/results.json`` (settings, each model's summary and per-prompt means, every sample's scores,
