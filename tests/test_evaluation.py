@@ -73,7 +73,7 @@ def test_eval_usage_errors(run: Path, tmp_path: Path):
     plain = tmp_path / "plain"
     shutil.copytree(run, plain, ignore=shutil.ignore_patterns(".omnirl.lock"))
     config = plain / "config.yaml"
-    config.write_text(config.read_text().replace("prompts: builtin:colors", "prompts: null"))
+    config.write_text(config.read_text().replace("prompts: builtin:colors", "prompts: [a red car, a blue cup]"))
     proc = run_cli("eval", str(plain), "--compare", "base")
     assert proc.returncode == 2 and "have no test split to evaluate on" in proc.stderr and "--prompts" in proc.stderr
     proc = run_cli("eval", str(run), "--checkpoint", "7")

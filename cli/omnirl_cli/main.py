@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 import yaml
@@ -23,6 +23,10 @@ import yaml
 from omnirl_core.errors import EXIT_RUNTIME, EXIT_USAGE, OmnirlError, RunInterrupted, UsageError
 from omnirl_core.host import threads
 from omnirl_core.project import __version__
+
+if TYPE_CHECKING:
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import ResolvedRun
 
 threads.apply_env()  # the OpenMP pool's size and wait policy: read once, when torch loads (after this)
 
@@ -78,7 +82,7 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     Console(width=200).print(table)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if isinstance(value, (list, tuple, set, frozenset)):
         return ", ".join(str(v) for v in value)
     if isinstance(value, dict):
@@ -290,7 +294,7 @@ class RunFlags:
     ray_address: str | None = None
     tracker: list[str] | None = None
 
-    def layers(self, manager: Any) -> list[dict]:
+    def layers(self, manager: PluginManager) -> list[dict]:
         return build_layers(self.model, self.algo, self.preset, self.reward, self.recipe, self.overrides,
                             self.output_dir, self.steps, self.device, self.seed, self.executor, self.ray_address,
                             qualified={s.qualified_name for s in manager.registries["reward"]},
@@ -307,7 +311,7 @@ RUN_FLAGS: dict[str, tuple[Any, Any]] = {
 """Every ``RunFlags`` field: its type and its option."""
 
 
-def run_flags(*names: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def run_flags(*names: str, **options: object) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A command decorator: the command takes the run flags ``names`` (all of them when none is named;
     ``options`` gives one of them another ``typer.Option``) ahead of its own parameters and gets them as its first
     argument, one ``RunFlags``. Declared once, a flag reads the same in every command that takes it."""
@@ -360,7 +364,8 @@ AllowRecipeEnvsOpt = typer.Option(
     "own --set values need no flag.")
 
 
-def check_recipe_environments(recipe: str | None, layers: list[dict], resolved: Any, allowed: bool) -> None:
+def check_recipe_environments(recipe: str | None, layers: list[dict], resolved: ResolvedRun,
+                              allowed: bool) -> None:
     """A recipe's ``run.ray_runtime_envs`` are honoured only with ``--allow-recipe-environments``: a
     ``py_executable``, a ``pip`` / ``uv`` list or ``env_vars`` (``LD_PRELOAD``) run what the recipe's author chose, on
     this machine, under Ray. Refused with exit 2 otherwise; values from ``--set`` are the user's own."""
@@ -376,7 +381,7 @@ def check_recipe_environments(recipe: str | None, layers: list[dict], resolved: 
         "give your own with --set run.ray_runtime_envs.GROUP.KEY=VALUE).")
 
 
-def _shown_env(spec: Any) -> str:
+def _shown_env(spec: object) -> str:
     """A runtime environment for a message: environment variables by name only (values may be secrets)."""
     if not isinstance(spec, dict):
         return repr(spec)
@@ -404,6 +409,7 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt, allow_recipe_environments:
             typer.echo("memory_plan: |\n" + "\n".join("  " + line for line in launch.memory.table().splitlines()))
         return
     resuming = launch.claim(manager)
+    assert resolved.device is not None  # probed: not a dry run
     _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {launch.run_path} on {resolved.device.name}")
     _train(resolved, launch.run_path, launch.data)
 
@@ -455,7 +461,7 @@ app.add_typer(plugin_app, name="plugin")
 
 @plugin_app.command("new")
 def plugin_new(
-    kind: str = typer.Argument(..., help="reward, algorithm, tracker or device."),
+    kind: str = typer.Argument(..., help="reward, algorithm, tracker, device, model or engine."),
     name: str = typer.Argument(..., help="The plugin's name, lowercase with dashes (e.g. my-reward)."),
     parent: str = typer.Option(".", "--dir", help="Where to create the package directory NAME."),
 ) -> None:

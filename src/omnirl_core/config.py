@@ -275,12 +275,12 @@ _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 # -- layering -------------------------------------------------------------------------------------
 
-def _is_patch(value: Any) -> bool:
+def _is_patch(value: object) -> bool:
     """A list patch: what ``--set rewards.0.options.scale=2`` makes (a dict keyed by list indices)."""
     return isinstance(value, dict) and bool(value) and all(isinstance(k, int) for k in value)
 
 
-def _listify(value: Any, path: str) -> Any:
+def _listify(value: object, path: str) -> Any:
     """A list patch with nothing beneath it becomes a list (indices must then be 0..n-1)."""
     if isinstance(value, dict):
         if _is_patch(value):
@@ -350,7 +350,7 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_path(tree: dict[str, Any], dotted: str, value: object) -> None:
     """Set ``a.b.0.c`` in a tree of dicts; a numeric part is a list index (kept as an int key: a list patch
     that ``deep_merge`` applies to the list beneath)."""
     parts = [int(p) if p.isdigit() else p for p in dotted.split(".")]
@@ -396,7 +396,7 @@ def _fields_at(model_cls: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 _SECRET_NAME = re.compile(r"key|token|secret|password|passwd|credential|auth", re.IGNORECASE)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

@@ -21,15 +21,15 @@ plugin module stays cheap (no torch); they are imported only when a run selects 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pluggy
 
 from omnirl_core.project import PROJECT
+from omnirl_core.registry import ComponentSpec
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 
-Register = Callable[[Any], None]
+Register = Callable[[ComponentSpec], None]
 
 
 @hookspec

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def lora_layers(module: Any) -> list[Any]:
+def lora_layers(module: torch.nn.Module) -> list[Any]:
     """Every peft adapter layer (``BaseTunerLayer``) injected into ``module``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -21,7 +24,7 @@ def lora_layers(module: Any) -> list[Any]:
 
 
 @contextmanager
-def adapters_disabled(module: Any, layers: Sequence[Any] | None = None) -> Iterator[None]:
+def adapters_disabled(module: torch.nn.Module, layers: Sequence[Any] | None = None) -> Iterator[None]:
     """Within it, every adapter of ``module`` is off (``layers``: its adapter layers, found before): ``module`` is
     its base model. peft's own switch, so the adapters' ``requires_grad`` is restored as diffusers would."""
     layers = lora_layers(module) if layers is None else layers

@@ -41,12 +41,12 @@ AS_DATA: dict[str, Any] = {
     "factory": str, "config": str, "sizing": str,
     "default_prompts": str | list[str], "input_fields": str | tuple[str, ...], "limits": str | dict[str, Any],
 }
-"""The TOML form of the spec fields typed ``Any``: "module:attr" strings, or data (``limits``: below)."""
+"""The TOML form of the spec fields that hold code or data: "module:attr" strings, or data (``limits``: below)."""
 DEFAULTS_TABLES = ("recipe_defaults", "preset_defaults")
 EXTENDS = 'Name a dict as "module:attr", e.g. extends = "omnirl_core.presets:TINY_IMAGE_DEFAULTS".'
 
 
-def manifest_specs(plugin: Any, plugin_name: str) -> list[ComponentSpec]:
+def manifest_specs(plugin: object, plugin_name: str) -> list[ComponentSpec]:
     """The specs declared by the manifest of a package plugin (none when it has no ``omnirl.toml``)."""
     if not isinstance(plugin, types.ModuleType) or not hasattr(plugin, "__path__"):
         return []  # a plain module or an object: only a package has a file beside its __init__.py
@@ -79,7 +79,7 @@ def parse_manifest(text: str, plugin_name: str, source: str) -> list[ComponentSp
 def _spec(cls: type[ComponentSpec], table: dict[str, Any], where: str) -> ComponentSpec:
     if isinstance(table.get("name"), str):
         where += f" ('{table['name']}')"
-    hints = _field_types(cls)
+    hints = _field_types(cls)  # type: ignore[arg-type, unused-ignore]  # mypy: a dataclass class is hashable
     for key in table:
         if key in FILLED_IN:
             raise PluginError(f"{where}: '{key}' is set by the registry ({FILLED_IN[key]}).",
@@ -92,7 +92,7 @@ def _spec(cls: type[ComponentSpec], table: dict[str, Any], where: str) -> Compon
             raise PluginError(f"{where}: the key '{key}' is missing.",
                               hint=f"Every component has a name and a factory (\"module:attr\"); a "
                                    f"{cls.kind} declares: {', '.join(hints)}.")
-    values = {}
+    values: dict[str, Any] = {}
     for key, value in table.items():
         if key in DEFAULTS_TABLES and isinstance(value, dict):
             value = _extended(value, f"{where}, '{key}'", nested=key == "preset_defaults")
@@ -150,7 +150,7 @@ class _Mismatch(Exception):
     pass
 
 
-def _convert(value: Any, hint: Any, where: str) -> Any:
+def _convert(value: object, hint: Any, where: str) -> Any:
     try:
         return _as(value, hint)
     except _Mismatch:
@@ -158,7 +158,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
                           hint="Write it as the spec's field expects (see omnirl_core.registry).") from None
 
 
-def _as(value: Any, hint: Any) -> Any:
+def _as(value: object, hint: Any) -> Any:
     """``value`` as the annotation ``hint`` wants it (lists to tuples and frozensets), or ``_Mismatch``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
@@ -202,7 +202,7 @@ def _describe(hint: Any, plural: bool = False) -> str:
     return names.get(origin or hint, (str(hint), str(hint)))[plural]
 
 
-def _toml_type(value: Any) -> str:
+def _toml_type(value: object) -> str:
     for python, name in ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
                          (list, "an array"), (dict, "a table")):
         if isinstance(value, python):

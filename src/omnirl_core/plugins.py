@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal, overload
 
 import pluggy
 
@@ -29,7 +29,16 @@ from omnirl_core import hookspecs
 from omnirl_core.errors import OmnirlError, PluginError
 from omnirl_core.manifest import manifest_specs
 from omnirl_core.project import ENTRY_POINT_GROUP, PROJECT
-from omnirl_core.registry import ComponentSpec, Registry
+from omnirl_core.registry import (
+    AlgorithmSpec,
+    ComponentSpec,
+    DeviceSpec,
+    EngineSpec,
+    ModelSpec,
+    Registry,
+    RewardSpec,
+    TrackerSpec,
+)
 
 
 def _env_list(name: str) -> list[str]:
@@ -132,7 +141,7 @@ class PluginManager:
         self._register(plugin, info)
         return info
 
-    def _register(self, plugin: Any, info: PluginInfo) -> None:
+    def _register(self, plugin: object, info: PluginInfo) -> None:
         try:
             self.pm.register(plugin, name=info.name)
             self.pm.check_pending()  # a misspelt hook name is an error, not silence
@@ -180,7 +189,23 @@ class PluginManager:
             ) from exc
 
     # -- lookup --------------------------------------------------------------------------------
+    @overload
+    def resolve(self, kind: Literal["model"], name: str) -> ModelSpec: ...
+    @overload
+    def resolve(self, kind: Literal["algorithm"], name: str) -> AlgorithmSpec: ...
+    @overload
+    def resolve(self, kind: Literal["engine"], name: str) -> EngineSpec: ...
+    @overload
+    def resolve(self, kind: Literal["reward"], name: str) -> RewardSpec: ...
+    @overload
+    def resolve(self, kind: Literal["device"], name: str) -> DeviceSpec: ...
+    @overload
+    def resolve(self, kind: Literal["tracker"], name: str) -> TrackerSpec: ...
+    @overload
+    def resolve(self, kind: str, name: str) -> ComponentSpec: ...
+
     def resolve(self, kind: str, name: str) -> ComponentSpec:
+        """The spec ``name`` (or ``plugin:name``) of ``kind``; its class is the kind's (the registry checks it)."""
         try:
             return self.registries[kind].resolve(name)
         except PluginError as err:

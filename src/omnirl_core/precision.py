@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def concrete_dtype(name: str, device_type: str) -> str:
@@ -22,7 +25,7 @@ def concrete_dtype(name: str, device_type: str) -> str:
     return "float32" if device_type == "cpu" else "bfloat16"
 
 
-def upcast_adapters(params: Iterable[Any]) -> int:
+def upcast_adapters(params: Iterable[torch.nn.Parameter]) -> int:
     """Cast trainable 16-bit parameters (LoRA adapters) to float32 in place; returns how many were cast."""
     import torch
 
@@ -34,7 +37,7 @@ def upcast_adapters(params: Iterable[Any]) -> int:
     return cast
 
 
-def offload_frozen(modules: Iterable[Any], device: Any) -> None:
+def offload_frozen(modules: Iterable[torch.nn.Module], device: torch.device | str) -> None:
     """Keep each module in host memory and move it to ``device`` only for its own forward calls (and back after).
 
     Hooks go on every direct child with parameters, not only the module itself: a VAE's ``decode`` calls its
@@ -45,10 +48,10 @@ def offload_frozen(modules: Iterable[Any], device: Any) -> None:
     if device.type == "cpu":
         return
 
-    def to_device(module: Any, _args: Any) -> None:
+    def to_device(module: torch.nn.Module, _args: object) -> None:
         module.to(device)
 
-    def to_host(module: Any, _args: Any, _output: Any) -> None:
+    def to_host(module: torch.nn.Module, _args: object, _output: object) -> None:
         module.to("cpu")
 
     for module in modules:

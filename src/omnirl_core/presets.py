@@ -13,7 +13,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnirl_core.config import ModelSection
 
 QWEN2_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -41,7 +44,7 @@ with other needs merges its own on top (in its manifest, ``extends = "omnirl_cor
 and its own keys beside; in Python, ``tiny_defaults``)."""
 
 
-def tiny_defaults(**overrides: Any) -> dict[str, Any]:
+def tiny_defaults(**overrides: object) -> dict[str, Any]:
     """``TINY_IMAGE_DEFAULTS`` with sections merged over it, e.g. ``model={"options": {...}}``."""
     from omnirl_core.config import deep_merge
 
@@ -239,7 +242,7 @@ def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape
         conv_out.bias.zero_()
 
 
-def checkpoint_path(section: Any, model: str, build_tiny: Callable[[], Path], default: str,
+def checkpoint_path(section: ModelSection, model: str, build_tiny: Callable[[], Path], default: str,
                     presets: dict[str, str] | None = None) -> str:
     """Where a model section's weights come from: the ``tiny`` preset's directory (``build_tiny()`` makes or
     finds it) unless ``model.path`` is set, else ``model.path``, a named preset's hub id (``presets``, e.g.

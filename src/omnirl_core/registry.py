@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel
 
 from omnirl_core.errors import PluginError, did_you_mean
+
+if TYPE_CHECKING:
+    from omnirl_core.config import ModelSection
 
 log = logging.getLogger("omnirl")
 
 
-def load_object(ref: Any) -> Any:
+def load_object(ref: object) -> Any:
     """Import ``"module:attr"`` (or return ``ref`` when it is already an object)."""
     if not isinstance(ref, str):
         return ref
@@ -30,10 +35,10 @@ class ComponentSpec:
 
     kind: ClassVar[str] = "component"
     name: str
-    factory: Any
+    factory: str | Callable[..., Any]
     description: str = ""
     aliases: tuple[str, ...] = ()
-    config: Any = None
+    config: str | type[BaseModel] | None = None
     plugin: str = ""  # filled in by the registry: the plugin that registered it
     version: str = ""
     first_party: bool = False  # filled in by the registry: shipped with omnirl (wins an unqualified name)
@@ -45,7 +50,7 @@ class ComponentSpec:
     def load_factory(self) -> Callable[..., Any]:
         return load_object(self.factory)
 
-    def load_config(self):
+    def load_config(self) -> type[BaseModel] | None:
         """The pydantic class of this component's ``options`` (None when it has none)."""
         return load_object(self.config) if self.config is not None else None
 
@@ -86,15 +91,15 @@ class ModelSpec(ComponentSpec):
     """Config values this model suggests (lowest layer, under the recipe and --set)."""
     preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra suggested values per preset, e.g. a small resolution for ``tiny``."""
-    sizing: Any = None
+    sizing: str | Callable[..., Any] | None = None
     """``"module:attr"`` of ``(config, options) -> omnirl_core.plan.model.ModelSizing``: the full-size architecture
     on ``meta`` for ``omnirl plan`` (None: the model cannot be planned)."""
-    limits: Any = None
+    limits: ModelLimits | dict[str | None, ModelLimits] | str | Callable[..., ModelLimits] | None = None
     """A ``ModelLimits``; a dict of them by preset (key None: released checkpoints); or ``"module:attr"`` of a
     cheap function ``(model_section, options) -> ModelLimits`` when they depend on the checkpoint or an option
     (no torch, no weights). None: nothing is checked."""
 
-    def limits_for(self, section: Any, options: Any) -> ModelLimits:
+    def limits_for(self, section: ModelSection, options: BaseModel | None) -> ModelLimits:
         if isinstance(self.limits, dict):
             return self.limits.get(section.preset, self.limits.get(None, ModelLimits()))
         if self.limits is None or isinstance(self.limits, ModelLimits):
@@ -155,9 +160,9 @@ class RewardSpec(ComponentSpec):
     modality: str | tuple[str, ...] = "image"
     """The output kind it scores (a model capability: 'image', 'video', ...), several, or 'any'."""
     resources: dict[str, float] = field(default_factory=dict)
-    default_prompts: Any = None
+    default_prompts: str | Sequence[str] | None = None
     """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
-    input_fields: Any = ()
+    input_fields: str | Sequence[str] = ()
     """Fields every prompt record must hold for this reward (e.g. a reference answer): names, or
     ``"module:attr"`` of a function ``(options) -> names`` when an option picks them. Checked at dry-run."""
 
@@ -236,7 +241,7 @@ class Registry:
             )
         self._specs.append(spec)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ComponentSpec]:
         return iter(sorted(self._specs, key=lambda s: (s.name, s.plugin)))
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from omnirl_core.config import RunConfig, build_config, deep_merge, get_path, validate_options
 from omnirl_core.errors import ConfigError, OmnirlError, PluginError
 from omnirl_core.plugins import PluginManager
-from omnirl_core.registry import AlgorithmSpec, DeviceSpec, EngineSpec, ModelSpec, RewardSpec
+from omnirl_core.registry import AlgorithmSpec, ComponentSpec, DeviceSpec, EngineSpec, ModelSpec, RewardSpec
 
 log = logging.getLogger("omnirl")
 
@@ -102,8 +102,9 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             f"Missing {' and '.join(missing)}.",
             hint="Example: omnirl train --model qwen-image --algo flowgrpo --preset tiny",
         )
-    model_spec: ModelSpec = manager.resolve("model", model_name)  # type: ignore[assignment]
-    algo_spec: AlgorithmSpec = manager.resolve("algorithm", algo_name)  # type: ignore[assignment]
+    assert model_name is not None and algo_name is not None  # both given: checked above
+    model_spec = manager.resolve("model", model_name)
+    algo_spec = manager.resolve("algorithm", algo_name)
 
     preset = _name_from(layers, "model.preset")
     if preset is not None and preset not in model_spec.presets:
@@ -124,8 +125,10 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
     # capabilities: refuse an incompatible pair with what is missing and who has it
     missing_caps = sorted(algo_spec.requires - model_spec.capabilities)
     if missing_caps:
-        able = [m.name for m in manager.registries["model"] if algo_spec.requires <= m.capabilities]
-        fitting = [a.name for a in manager.registries["algorithm"] if a.requires <= model_spec.capabilities]
+        able = [m.name for m in manager.registries["model"]
+                if isinstance(m, ModelSpec) and algo_spec.requires <= m.capabilities]
+        fitting = [a.name for a in manager.registries["algorithm"]
+                   if isinstance(a, AlgorithmSpec) and a.requires <= model_spec.capabilities]
         raise PluginError(
             f"Algorithm '{algo_spec.name}' cannot train model '{model_spec.name}': the model lacks "
             f"{', '.join(missing_caps)}.",
@@ -142,8 +145,9 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
             f"{', '.join(sorted(model_spec.capabilities))}).",
             hint="Set model.lora.enabled=false (full fine-tuning).",
         )
-    rollout_spec: EngineSpec = manager.resolve("engine", config.rollout.engine)  # type: ignore[assignment]
-    train_spec: EngineSpec = manager.resolve("engine", config.train.engine)  # type: ignore[assignment]
+    rollout_spec = manager.resolve("engine", config.rollout.engine)
+    train_spec = manager.resolve("engine", config.train.engine)
+    spec: ComponentSpec  # each loop below narrows it to the specs it walks
     for spec, role in ((rollout_spec, "rollout"), (train_spec, "train")):
         if role not in spec.roles:
             raise PluginError(
@@ -154,7 +158,7 @@ def resolve_run(manager: PluginManager, layers: list[dict[str, Any]], *, probe_d
         raise ConfigError("No reward given.", hint="Add --reward NAME (see `omnirl list rewards`).")
     reward_specs: list[RewardSpec] = []
     for entry in config.rewards:
-        spec: RewardSpec = manager.resolve("reward", entry.name)  # type: ignore[assignment]
+        spec = manager.resolve("reward", entry.name)
         if "any" not in spec.modalities and not set(spec.modalities) & model_spec.capabilities:
             raise PluginError(
                 f"Reward '{spec.name}' scores {' or '.join(spec.modalities)} outputs, but model "
@@ -287,12 +291,12 @@ def check_model_limits(config: RunConfig, spec: ModelSpec, options: BaseModel | 
 def resolve_device(manager: PluginManager, name: str) -> DeviceSpec:
     registry = manager.registries["device"]
     if name == "auto":
-        available = [d for d in registry if d.available() > 0]
+        available = [d for d in registry if isinstance(d, DeviceSpec) and d.available() > 0]
         if not available:
             raise PluginError("No device is available ('--device auto').",
                               hint="Install omnirl-plugin-cpu or pass --device explicitly.")
-        return max(available, key=lambda d: d.priority)  # type: ignore[return-value]
-    spec: DeviceSpec = manager.resolve("device", name)  # type: ignore[assignment]
+        return max(available, key=lambda d: d.priority)
+    spec = manager.resolve("device", name)
     if spec.available() <= 0:
         raise PluginError(f"Device '{spec.name}' is not available on this machine.",
                           hint="Use --device auto or --device cpu.")

@@ -8,13 +8,15 @@ takes part, rank 0 sends).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from omnirl_core.contracts import PolicyModel, TrainEngine
 
 
-def cpu_copy(tensor: Any) -> Any:
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A detached, contiguous CPU tensor that shares no storage with ``tensor``: an exported state must not
     change when the live parameters do (a swap restored after the export, the next update). Copies once."""
     out = tensor.detach().cpu()
@@ -23,27 +25,27 @@ def cpu_copy(tensor: Any) -> Any:
     return out.contiguous()
 
 
-def export_trained_state(model: PolicyModel, trainer: TrainEngine | None = None) -> dict[str, Any]:
+def export_trained_state(model: PolicyModel, trainer: TrainEngine | None = None) -> dict[str, torch.Tensor]:
     """The trained weights as plain CPU tensors: LoRA only (peft names) when training LoRA, else full. With a
     train engine, its ``trained_state`` (a sharded engine gathers: a collective)."""
     return trainer.trained_state() if trainer is not None else model.trained_state_dict()
 
 
-def import_trained_state(model: PolicyModel, state: dict[str, Any]) -> None:
+def import_trained_state(model: PolicyModel, state: dict[str, torch.Tensor]) -> None:
     model.load_trained_state_dict(state)
 
 
-def state_bytes(state: dict[str, Any]) -> int:
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def merged_weights(module: Any, adapted_only: bool = False) -> dict[str, Any]:
+def merged_weights(module: torch.nn.Module, adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """``module``'s weights with every peft LoRA adapter merged in (base + scale B A), under the names the
     module has without peft (``x.base_layer.weight`` -> ``x.weight``; no ``lora_`` tensors): what a serving
     engine that knows nothing of LoRA loads. ``adapted_only``: just the layers an adapter changes."""
     import torch
 
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, layer in module.named_modules():
             base = getattr(layer, "base_layer", None)

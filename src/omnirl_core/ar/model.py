@@ -93,7 +93,7 @@ class CausalLMPolicy(TokenModel):
     # -- scoring -------------------------------------------------------------------------------
     def hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Last hidden states (B, L, H) of the decoder; logits are then taken only where they are needed."""
-        return self.module.base_model(**inputs, use_cache=False)[0]
+        return self.module.base_model(**inputs, use_cache=False)[0]  # type: ignore[operator]  # transformers' model
 
     def token_logprobs(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
                        params: Sequence[SamplingParams]) -> list[torch.Tensor]:
@@ -114,7 +114,7 @@ class CausalLMPolicy(TokenModel):
             rows += [i] * len(c)
             cols += list(range(start, start + len(c)))
         h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]
-        logits = self.module.get_output_embeddings()(h)
+        logits = self.module.get_output_embeddings()(h)  # type: ignore[operator]  # transformers' model
         tokens = torch.cat([c for c in completions]).to(logits.device)
         results = []
         for params in distributions:
@@ -220,7 +220,8 @@ class CausalLMPolicy(TokenModel):
             config["base_model_name_or_path"] = getattr(self.module, "name_or_path", None)
             (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=sorted))
             return [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
-        self.module.save_pretrained(str(directory / FULL_WEIGHTS_DIR), safe_serialization=True, state_dict=state)
+        self.module.save_pretrained(  # type: ignore[operator]  # transformers' PreTrainedModel
+            str(directory / FULL_WEIGHTS_DIR), safe_serialization=True, state_dict=state)
         return [f"{FULL_WEIGHTS_DIR}/"]
 
     def load_trained(self, directory: Path) -> None:
@@ -231,5 +232,6 @@ class CausalLMPolicy(TokenModel):
             self.load_trained_state_dict(load_file(str(directory / ADAPTER_WEIGHTS)))
             return
         # from_pretrained undoes the checkpoint's key renaming (transformers saves some models under other names)
-        saved = type(self.module).from_pretrained(str(directory / FULL_WEIGHTS_DIR), dtype=self.dtype)
+        saved = type(self.module).from_pretrained(  # type: ignore[attr-defined]  # transformers' PreTrainedModel
+            str(directory / FULL_WEIGHTS_DIR), dtype=self.dtype)
         self.module.load_state_dict(saved.state_dict())

@@ -8,19 +8,27 @@ One training unit is one sampled sequence. Log-probs are padded to (N, T) with a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.ar.sampling import completion_tokens, untruncated
 from omnirl_core.config import RunConfig
-from omnirl_core.contracts import RolloutPlan, Sample, TrainingUnit
+from omnirl_core.contracts import RolloutPlan, Sample, TokenModel, TrainingUnit
 from omnirl_core.rl.advantage import assign_group_advantages
 from omnirl_core.rl.correction import rs_mask, sequence_diagnostics
 
 AR_PLAN = RolloutPlan(step_kinds=(), train_steps=())
 """AR rollouts have no denoising steps: the rollout engine's sampling options define the distribution."""
+
+T = TypeVar("T")
+
+
+def _present(value: T | None, what: str) -> T:
+    """A field a token sample or unit must have by now (its trajectory, a prepared log-prob)."""
+    assert value is not None, f"a token sequence without its {what}"
+    return value
 
 
 @dataclass
@@ -35,10 +43,10 @@ class SequenceUnit(TrainingUnit):
 
     @property
     def rollout_logprobs(self) -> torch.Tensor:
-        return self.sample.logprobs
+        return _present(self.sample.logprobs, "log-probs")
 
 
-def padded(rows: list[torch.Tensor], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def padded(rows: list[torch.Tensor], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of different lengths -> (N, T) fp32 values (0 where padded) and the (N, T) mask of real tokens."""
     from torch.nn.utils.rnn import pad_sequence
 
@@ -69,7 +77,7 @@ def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tens
     }
 
 
-class TokenPolicyGradient(Algorithm):
+class TokenPolicyGradient(Algorithm[TokenModel, SequenceUnit]):
     """Group-normalised advantages, old log-probs (recomputed or the rollout's), optional KL to the
     reference. Subclasses read ``adv_clip``, ``global_std`` and ``beta`` from their own config class."""
 
@@ -85,30 +93,31 @@ class TokenPolicyGradient(Algorithm):
     def assign_advantages(self, samples: list[Sample]) -> dict[str, float]:
         adv = assign_group_advantages(samples, global_std=self.options.global_std, clip=self.options.adv_clip,
                                      rewards=self.config.rewards)
-        lengths = torch.tensor([float(len(s.logprobs)) for s in samples])
+        lengths = torch.tensor([float(len(_present(s.logprobs, "log-probs"))) for s in samples])
         return {"advantage/abs_mean": float(adv.abs().mean()), "response_length/mean": float(lengths.mean())}
 
     def training_units(self, samples: list[Sample]) -> list[SequenceUnit]:
         return [SequenceUnit(s) for s in samples]
 
-    def _logprobs(self, model: Any, units: list[SequenceUnit], uncut: bool = False) -> list[torch.Tensor]:
+    def _logprobs(self, model: TokenModel, units: list[SequenceUnit], uncut: bool = False) -> list[torch.Tensor]:
         """Per-token log-probs under the sampling distribution, or (``uncut``) without its top-k / top-p
         cut: a sampled token may lie outside the reference's top-k, where the cut distribution gives -inf."""
         return self._scored(model, units, (uncut,))[0]
 
-    def _scored(self, model: Any, units: list[SequenceUnit], cuts: tuple[bool, ...]) -> list[list[torch.Tensor]]:
+    def _scored(self, model: TokenModel, units: list[SequenceUnit],
+                cuts: tuple[bool, ...]) -> list[list[torch.Tensor]]:
         """Per-token log-probs under the sampling distribution (False) and / or uncut (True), one list per entry
         of ``cuts`` (``TokenModel.token_logprobs_under``: one forward pass for a causal LM)."""
         samples = [u.sample for u in units]
-        prompts = [s.prompt_tokens for s in samples]
+        prompts = [_present(s.prompt_tokens, "prompt tokens") for s in samples]
         completions = [completion_tokens(s) for s in samples]
-        params = [s.sampling for s in samples]
+        params = [_present(s.sampling, "sampling parameters") for s in samples]
         distributions = [[untruncated(p) for p in params] if uncut else params for uncut in cuts]
         if len(distributions) > 1:
             return model.token_logprobs_under(prompts, completions, distributions)
         return [model.token_logprobs(prompts, completions, distributions[0])]
 
-    def prepare(self, model: Any, units: list[SequenceUnit]) -> dict[str, float]:
+    def prepare(self, model: TokenModel, units: list[SequenceUnit]) -> dict[str, float]:
         """Without grad, before the update: old log-probs (recompute mode)."""
         metrics: dict[str, float] = {}
         if self.recompute:
@@ -123,7 +132,7 @@ class TokenPolicyGradient(Algorithm):
                 u.log_weight = w
         return metrics
 
-    def reference_prepare(self, model: Any, units: list[SequenceUnit]) -> None:
+    def reference_prepare(self, model: TokenModel, units: list[SequenceUnit]) -> None:
         """Without grad, ``model`` being the reference policy: its per-token log-probs over its whole support
         (temperature and allowed tokens applied, no top-k / top-p), so the KL term stays finite."""
         for u, lp in zip(units, self._logprobs(model, units, uncut=True)):
@@ -134,13 +143,17 @@ class TokenPolicyGradient(Algorithm):
         """Per-sequence policy loss (N,) and metrics, from (N, T) log-probs and the (N,) advantages."""
         raise NotImplementedError
 
-    def loss(self, model: Any, units: list[SequenceUnit], first_update: bool = False):
+    def loss(self, model: TokenModel, units: list[SequenceUnit], first_update: bool = False,
+             correction: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy loss of a micro-batch (mean over its sequences) and metrics. ``correction`` is never set
+        here: one unit is one whole sequence, so ``finish_minibatch`` has no unit to re-run."""
         device = model.device
         # ratio: the sampling distribution, as rolled out; KL: both sides uncut (a token can leave top-k/p)
         scored = self._scored(model, units, (False, True) if self.uses_reference else (False,))
         logp, mask = padded(scored[0], device)
         rollout, _ = padded([u.rollout_logprobs for u in units], device)
-        old = padded([u.old_logprobs for u in units], device)[0] if self.recompute else rollout
+        old = padded([_present(u.old_logprobs, "old log-probs") for u in units], device)[0] if self.recompute \
+            else rollout
         adv = torch.tensor([u.sample.advantage for u in units], device=device)
         # rollout correction: a sequence whose IS weight (trainer vs rollout) leaves train.rs_band is
         # rejected whole. One unit is one whole sequence, so the weight is exact in both modes.
@@ -156,7 +169,7 @@ class TokenPolicyGradient(Algorithm):
         loss = policy_loss
         if self.uses_reference:
             # k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1
-            ref, _ = padded([u.ref_logprobs for u in units], device)
+            ref, _ = padded([_present(u.ref_logprobs, "reference log-probs") for u in units], device)
             diff = ref - padded(scored[1], device)[0]
             kl = masked_mean(torch.exp(diff) - diff - 1.0, mask).mean()
             loss = loss + self.options.beta * kl

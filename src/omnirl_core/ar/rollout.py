@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
-from omnirl_core.contracts import GenRequest, Sample
+from omnirl_core.contracts import GenRequest, PolicyModel, Sample, TokenModel
 from omnirl_core.errors import UsageError
+
+if TYPE_CHECKING:
+    from omnirl_core.ar.model import CausalLMPolicy
 
 
 class TokenSamplingOptions(BaseModel):
@@ -36,7 +39,7 @@ class TokenSamplingOptions(BaseModel):
                                    "steps; prompts do not change during training.")
 
 
-def require_ar_model(model: Any, engine: str) -> None:
+def require_ar_model(model: PolicyModel, engine: str) -> None:
     """The rollout engines of token models drive a transformers causal LM (``CausalLMPolicy``: ``module``,
     ``model_inputs``, ``encode_prompt``, ``token_logprobs``)."""
     from omnirl_core.ar.model import CausalLMPolicy
@@ -49,7 +52,7 @@ def require_ar_model(model: Any, engine: str) -> None:
         )
 
 
-def sampling_params(model: Any, options: TokenSamplingOptions) -> SamplingParams:
+def sampling_params(model: CausalLMPolicy, options: TokenSamplingOptions) -> SamplingParams:
     """The distribution the options describe, with the model's token ids."""
     try:
         stop = tuple(model.token_id(t) for t in options.stop_tokens) if options.stop_tokens else model.stop_token_ids
@@ -67,7 +70,7 @@ def sampling_params(model: Any, options: TokenSamplingOptions) -> SamplingParams
 class PromptCache:
     """``model.encode_prompt`` per distinct (prompt, inputs), least recently used ones dropped past ``size``."""
 
-    def __init__(self, model: Any, size: int):
+    def __init__(self, model: TokenModel, size: int):
         self.model = model
         self.size = size
         self._prompts: OrderedDict[str, TokenPrompt] = OrderedDict()
@@ -85,8 +88,8 @@ class PromptCache:
         return prompt
 
 
-def ar_sample(model: Any, request: GenRequest, prompt: TokenPrompt, tokens: torch.Tensor, logprobs: torch.Tensor,
-              params: SamplingParams) -> Sample:
+def ar_sample(model: TokenModel, request: GenRequest, prompt: TokenPrompt, tokens: torch.Tensor,
+              logprobs: torch.Tensor, params: SamplingParams) -> Sample:
     """The sample of one completion: ``tokens`` / ``logprobs`` as sampled, cut after the first stop token."""
     stop = torch.tensor(params.stop_token_ids, dtype=tokens.dtype)
     stops = torch.isin(tokens, stop).nonzero()

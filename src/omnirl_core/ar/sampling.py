@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from omnirl_core.contracts.data import Sample
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def untruncated(params: Any) -> Any:
+def untruncated(params: P) -> P:
     """The sampling distribution before its top-k / top-p cut (allowed tokens and temperature kept): the support
     a KL term compares policies on, where a token sampled earlier never has probability 0. Anything that is not
     ``SamplingParams`` (a test's stand-in) passes through."""
@@ -105,6 +110,7 @@ def pad_sequences(seqs: Sequence[torch.Tensor], value: int, side: str) -> tuple[
     return ids, mask
 
 
-def completion_tokens(sample: Any) -> torch.Tensor:
+def completion_tokens(sample: Sample) -> torch.Tensor:
     """The sampled completion of an AR sample (stop token included), as the rollout engine stored it."""
+    assert sample.completion is not None, "not a token sample: it has no completion"
     return sample.completion

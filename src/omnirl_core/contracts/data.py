@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
+
 
 @dataclass(frozen=True)
 class RolloutPlan:
@@ -92,10 +94,10 @@ class Sample:
     ``logprobs`` (one per completion token)."""
 
     request: GenRequest
-    latents: Any  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent (None for AR)
-    sigmas: Any  # (T + 1,) fp32 (None for AR)
-    logprobs: Any  # (T,) fp32, NaN for ODE steps; per-token log-probs for AR models
-    output: Any  # decoded output: image (3, H, W) in [0, 1], video (3, F, H, W), or text (str)
+    latents: torch.Tensor | None  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent (AR: None)
+    sigmas: torch.Tensor | None  # (T + 1,) fp32 (None for AR)
+    logprobs: torch.Tensor | None  # (T,) fp32, NaN for ODE steps; per-token log-probs for AR models
+    output: torch.Tensor | str | None  # decoded: image (3, H, W) in [0, 1], video (3, F, H, W), or text (str)
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = float("nan")
     advantage: float = 0.0
@@ -103,11 +105,11 @@ class Sample:
     """Flow: the prompt's conditioning (one row) the rollout's velocity calls used."""
     uncond: Conditioning | None = None
     """Flow with true CFG: the negative prompt's conditioning (one row); None without CFG."""
-    prompt_tokens: Any = None
+    prompt_tokens: TokenPrompt | None = None
     """Token models: the ``omnirl_core.ar.sampling.TokenPrompt`` the completion was sampled after."""
-    completion: Any = None
+    completion: torch.Tensor | None = None
     """Token models: the sampled token ids (1-D long tensor), stop token included when one was sampled."""
-    sampling: Any = None
+    sampling: SamplingParams | None = None
     """Token models: the ``SamplingParams`` (temperature, top-k, top-p) of the distribution sampled from."""
     extras: dict[str, Any] = field(default_factory=dict)
     """The runtime's and the algorithms' bookkeeping (rollout-correction records, a Ray worker's held key, an
@@ -126,7 +128,7 @@ class Conditioning:
     (their masks, also in ``pad_keys``, pad with zeros = "not a token").
     """
 
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     pad_keys: tuple[str, ...] = ()
 
     def __len__(self) -> int:
@@ -139,7 +141,7 @@ class Conditioning:
         return Conditioning({k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()},
                             self.pad_keys)
 
-    def to(self, device: Any) -> Conditioning:
+    def to(self, device: torch.device | str) -> Conditioning:
         return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, self.pad_keys)
 
     @staticmethod

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from omnirl_core.algorithm import Algorithm
     from omnirl_core.contracts.data import GenRequest, Sample
     from omnirl_core.contracts.model import PolicyModel
+    from omnirl_core.contracts.runtime import TrainingUnit
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
@@ -52,12 +53,12 @@ class TrainEngine(ABC):
     optimizer: torch.optim.Optimizer
 
     @abstractmethod
-    def update(self, algorithm: Algorithm, units: list[Any], step: int,
+    def update(self, algorithm: Algorithm, units: list[TrainingUnit], step: int,
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step over ``units``; returns its metrics. ``reference``: fetches a separate reference
         worker's outputs for the units (``omnirl_core.loop.training.prepare_all``)."""
 
-    def trained_state(self) -> dict[str, Any]:
+    def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained weights as whole CPU tensors (LoRA only when training LoRA): what weight sync sends and a
         checkpoint's exported weights hold. A sharded engine gathers them: a collective, every rank calls it."""
         return self.model.trained_state_dict()
@@ -86,7 +87,7 @@ class TrainEngine(ABC):
                                read_json(directory / OPTIMIZER_META))
 
 
-def optimizer_to_tensors(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split an optimizer state into tensors (for safetensors) and JSON-able metadata; no pickle."""
     import torch
 
@@ -102,7 +103,8 @@ def optimizer_to_tensors(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
-def optimizer_from_tensors(optimizer: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                           meta: dict[str, Any]) -> None:
     """Restore ``optimizer_to_tensors``'s output into ``optimizer``."""
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():

@@ -14,11 +14,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
+    from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
     from omnirl_core.config import LoraConfig
     from omnirl_core.contracts.data import Conditioning, GenRequest
 
@@ -138,16 +139,16 @@ class TokenModel(PolicyModel):
     trainer."""
 
     @abstractmethod
-    def encode_prompt(self, request: GenRequest) -> Any:
+    def encode_prompt(self, request: GenRequest) -> TokenPrompt:
         """The request's prompt as a ``TokenPrompt`` (chat template, generation prompt, media features)."""
 
     @abstractmethod
-    def token_logprobs(self, prompts: Sequence[Any], completions: Sequence[torch.Tensor],
-                       params: Sequence[Any]) -> list[torch.Tensor]:
+    def token_logprobs(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
+                       params: Sequence[SamplingParams]) -> list[torch.Tensor]:
         """Per-token log-probs of ``completions`` after ``prompts`` under each row's ``SamplingParams``."""
 
-    def token_logprobs_under(self, prompts: Sequence[Any], completions: Sequence[torch.Tensor],
-                             distributions: Sequence[Sequence[Any]]) -> list[list[torch.Tensor]]:
+    def token_logprobs_under(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
+                             distributions: Sequence[Sequence[SamplingParams]]) -> list[list[torch.Tensor]]:
         """``token_logprobs`` under several distributions (``distributions[k]`` holds each row's
         ``SamplingParams``), e.g. the sampling distribution for the ratio and the same without its top-k / top-p
         cut for a KL term. This default scores once per distribution; a model that can take every distribution

@@ -31,7 +31,7 @@ class Reward(ABC):
     """With ``asynchronous``: how many samples it scores at once (e.g. a judge's requests in flight)."""
 
     @abstractmethod
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: Any) -> list[float]:
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: object) -> list[float]:
         """One score per sample. ``kwargs``: ``inputs`` for a reward that ``uses_inputs``."""
 
     def submit(self, outputs: Sequence[Any], prompts: Sequence[str],
@@ -49,14 +49,14 @@ class CallableReward(Reward):
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: Any) -> list[float]:
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: object) -> list[float]:
         return self.fn(outputs, prompts, **kwargs)
 
     def __repr__(self) -> str:
         return f"CallableReward({self.fn!r})"
 
 
-def as_reward(obj: Any) -> Reward:
+def as_reward(obj: object) -> Reward:
     """A reward factory's result as a ``Reward``: itself, or a plain callable wrapped; anything else is a
     TypeError naming what it is."""
     if isinstance(obj, Reward):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from omnirl_core.contracts.data import GenRequest, Sample
@@ -41,7 +41,7 @@ class Executor(ABC):
         phase's metrics. ``evaluation``: with the weights the algorithm evaluates."""
 
     @abstractmethod
-    def update(self, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, units: list[TrainingUnit], step: int) -> dict[str, float]:
         """One training step of the actor group; its metrics."""
 
     @abstractmethod

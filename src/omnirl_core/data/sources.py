@@ -31,9 +31,13 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from omnirl_core.config import DataSection
+    from omnirl_core.resolve import ResolvedRun
 
 log = logging.getLogger("omnirl")
 
@@ -53,7 +57,7 @@ class NoPromptsError(ConfigError):
 def _media_paths(record: dict[str, Any], base: Path) -> dict[str, Any]:
     """Media paths relative to the data file's directory, made absolute (URLs and absolute paths kept)."""
 
-    def fix(value: Any) -> Any:
+    def fix(value: object) -> object:
         if isinstance(value, list):
             return [fix(v) for v in value]
         if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():
@@ -324,7 +328,9 @@ def split_by_fraction(records: Records, fraction: float, seed: int) -> tuple[Rec
 
 def _by_column(records: Records, column: str, train_name: str, test_name: str,
                where: str) -> tuple[Records, Records]:
-    train, test, other = [], [], {}
+    train: Records = []
+    test: Records = []
+    other: dict[str, int] = {}
     for record in records:
         value = record.get(column)
         rec = {k: v for k, v in record.items() if k != column}
@@ -341,7 +347,7 @@ def _by_column(records: Records, column: str, train_name: str, test_name: str,
     return train, test
 
 
-def _test_part(data: Records | dict[str, Records], cfg: Any, where: str) -> Records:
+def _test_part(data: Records | dict[str, Records], cfg: DataSection, where: str) -> Records:
     """All of a test source (its test split when it has named splits)."""
     if isinstance(data, dict):
         if cfg.test_split not in data:
@@ -353,7 +359,7 @@ def _test_part(data: Records | dict[str, Records], cfg: Any, where: str) -> Reco
     return data
 
 
-def load_data(cfg: Any, default_prompts: list[Any] | None = None, default_name: str = "") -> PromptData:
+def load_data(cfg: DataSection, default_prompts: list[Any] | None = None, default_name: str = "") -> PromptData:
     """Open and check a run's prompt data (``cfg``: the config's ``data`` section). ``default_prompts``: what
     the run uses when ``data.prompts`` is unset (the first reward's suggested prompts)."""
     column = cfg.prompt_column
@@ -433,7 +439,7 @@ class PromptSampler:
         return [(i, self.prompts[i]) for i in idx]
 
 
-def open_run_data(resolved: Any) -> PromptData:
+def open_run_data(resolved: ResolvedRun) -> PromptData:
     """The prompt data of a resolved run: ``data.prompts``, or the first reward's suggested prompts (strings or
     records; records with a ``split`` column hold their own test set, as the colour reward's do: the main job's run
     is evaluated on them)."""
@@ -460,7 +466,7 @@ MEDIA_FIELDS = {"image": "image-input", "audio": "audio-input", "video": "video-
 """Prompt-record fields that hold media the model reads, and the model capability that reads them."""
 
 
-def check_media_fields(resolved: Any, data: PromptData) -> None:
+def check_media_fields(resolved: ResolvedRun, data: PromptData) -> None:
     """A record with an image, audio or video input needs a model that reads that input: otherwise the
     model would ignore it without a word."""
     read_by_rewards = {f for spec in resolved.rewards if not isinstance(spec.input_fields, str)
@@ -478,7 +484,7 @@ def check_media_fields(resolved: Any, data: PromptData) -> None:
                     f"or remove the '{field}' field from the data.")
 
 
-def check_reward_fields(resolved: Any, data: PromptData) -> None:
+def check_reward_fields(resolved: ResolvedRun, data: PromptData) -> None:
     """Every record (train and test) holds the fields the run's rewards read (``RewardSpec.input_fields``)."""
     from omnirl_core.registry import load_object
 

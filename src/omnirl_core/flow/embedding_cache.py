@@ -12,7 +12,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from omnirl_core.contracts import Conditioning, FlowModel
 
@@ -36,6 +35,7 @@ def trim_padding(cond: Conditioning) -> Conditioning:
         t = cond.tensors[key][0]
         row_used = t.ne(0).flatten(1).any(dim=1) if t.dim() > 1 else t.ne(0)  # a zero-length row too
         used = row_used if used is None else used | row_used
+    assert used is not None  # pad_keys is not empty
     positions = used.nonzero()
     length = int(positions[-1]) + 1 if len(positions) else 1
     if length == used.shape[0]:
@@ -70,7 +70,7 @@ class EmbeddingCache:
     which is what an engine without a cache does per request; kept for comparison.
     """
 
-    def __init__(self, model: Any, max_entries: int = 1024):
+    def __init__(self, model: FlowModel, max_entries: int = 1024):
         if max_entries < 0:
             raise ValueError(f"max_entries must be >= 0, got {max_entries}")
         self.model = model

@@ -5,7 +5,7 @@ its architecture-specific parts (encode, latent shape, schedule, velocity, decod
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.config import LoraConfig
+from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.contracts.data import Conditioning
 from omnirl_core.contracts.model import FlowModel
 from omnirl_core.lora import adapters_disabled, lora_layers
 from omnirl_core.weights import cpu_copy
@@ -44,7 +45,7 @@ class DenoiserModel(FlowModel):
             from peft import LoraConfig as PeftLoraConfig
 
             targets = lora.target_modules or list(self.default_lora_targets)
-            self.denoiser.add_adapter(
+            self.denoiser.add_adapter(  # type: ignore[operator]  # diffusers' ModelMixin, typed as torch's Module
                 PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, init_lora_weights=lora.peft_init)
             )
             self.lora = lora
@@ -125,10 +126,11 @@ class DenoiserModel(FlowModel):
             from safetensors.torch import save_file
 
             (directory / "transformer").mkdir(exist_ok=True)
-            self.denoiser.save_config(str(directory / "transformer"))
+            self.denoiser.save_config(str(directory / "transformer"))  # type: ignore[operator]  # diffusers'
             save_file(state, str(directory / "transformer" / "diffusion_pytorch_model.safetensors"))
             return ["transformer/"]
-        self.denoiser.save_pretrained(str(directory / "transformer"), safe_serialization=True)
+        self.denoiser.save_pretrained(  # type: ignore[operator]  # diffusers' ModelMixin
+            str(directory / "transformer"), safe_serialization=True)
         return ["transformer/"]
 
     def load_trained(self, directory: Path) -> None:
@@ -153,7 +155,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_diffusers_pipeline(pipeline_cls: Any, path: str, dtype: torch.dtype, label: str, access_note: str = "",
-                            **kwargs: Any) -> Any:
+                            **kwargs: object) -> Any:
     """``pipeline_cls.from_pretrained(path)`` for a local diffusers directory or a hub id, with a clear error
     when it is neither (no ``model_index.json`` there, or the hub unreachable / without it). ``label`` names
     the model in messages, ``access_note`` adds how to get the checkpoint (e.g. a gated licence); ``kwargs``
@@ -248,8 +250,9 @@ def cfg_grad_both() -> bool:
     return torch.is_grad_enabled() and CFG_GRAD.get() == "both"
 
 
-def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float, renorm: bool = False,
-                    forward_pair: Any = None) -> torch.Tensor:
+def guided_velocity(forward: Callable[[Conditioning], torch.Tensor], cond: Conditioning,
+                    uncond: Conditioning | None, guidance_scale: float, renorm: bool = False,
+                    forward_pair: Callable[[Conditioning], torch.Tensor] | None = None) -> torch.Tensor:
     """True classifier-free guidance over ``forward(conditioning) -> v``: v_u + w (v_c - v_u) for w > 1. In
     training the unconditional branch is detached unless ``train.cfg_grad`` is ``both`` (``cfg_gradient``).
     ``renorm`` rescales the guided prediction to the conditional one's norm over the last dim (per token;
@@ -266,8 +269,6 @@ def guided_velocity(forward: Any, cond: Any, uncond: Any, guidance_scale: float,
         raise ValueError("CFG needs the unconditional conditioning")
     both = cfg_grad_both()
     if forward_pair is not None and (both or not torch.is_grad_enabled()):
-        from omnirl_core.contracts import Conditioning
-
         v, v_u = forward_pair(Conditioning.cat([cond, uncond])).chunk(2)
     elif both:
         v, v_u = forward(cond), forward(uncond)
@@ -342,17 +343,17 @@ class DiffusersFlowModel(DenoiserModel):
     video_vae = False
     """The VAE is a video VAE that decodes images as one-frame videos (Qwen-Image's)."""
 
-    def __init__(self, pipeline: Any, options: Any, device: torch.device, dtype: torch.dtype):
+    def __init__(self, pipeline: Any, options: DiffusersModelOptions, device: torch.device, dtype: torch.dtype):
         super().__init__(pipeline, pipeline.transformer, device, dtype)
         self.options = options
         self.vae_scale = pipeline.vae_scale_factor
         config = pipeline.vae.config
         self.latent_channels = config.get("z_dim") or config.get("latent_channels")
 
-    def setup_training(self, lora: Any, need_reference: bool) -> None:
+    def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
         super().setup_training(lora, need_reference)
         if self.options.gradient_checkpointing:
-            self.denoiser.enable_gradient_checkpointing()
+            self.denoiser.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin
 
     def frozen_modules(self) -> list[torch.nn.Module]:
         """Every pipeline component that is a module, but the denoiser (text encoders, VAE)."""
@@ -360,7 +361,7 @@ class DiffusersFlowModel(DenoiserModel):
                 if isinstance(m, torch.nn.Module) and m is not self.denoiser]
 
     # -- the architecture-specific part --------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Any, grid: tuple[int, int],
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, grid: tuple[int, int],
                 guidance: float | None) -> torch.Tensor:
         """One transformer call, fp32 out: ``x`` in the transformer's layout (``packed`` or the grid) and dtype,
         ``sigma`` (B,) in [0, 1], ``grid`` the latent (H, W), ``guidance`` the scale for ``embedded`` guidance."""
@@ -376,8 +377,8 @@ class DiffusersFlowModel(DenoiserModel):
         seq_len = (latent_shape[-2] // self.patch) * (latent_shape[-1] // self.patch)
         return shifted_sigmas(self.pipeline.scheduler, num_steps, seq_len, self.linspace_sigmas)
 
-    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Any, guidance_scale: float = 1.0,
-                 uncond: Any = None) -> torch.Tensor:
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float = 1.0,
+                 uncond: Conditioning | None = None) -> torch.Tensor:
         """``forward`` under the model's guidance: true CFG (two branches), embedded (the scale as an input; an
         unconditional conditioning is not used) or none."""
         h, w = latents.shape[-2:]
@@ -443,7 +444,7 @@ class DiffusersFlowModel(DenoiserModel):
         return (z[:, :, 0] if self.video_vae else z).float()
 
 
-def tiny_directory(name: str, version: int, seed: int, build: Any) -> Path:
+def tiny_directory(name: str, version: int, seed: int, build: Callable[[int], Any]) -> Path:
     """The on-disk cache of a tiny preset: ``build(seed)`` returns a diffusers pipeline with random weights, saved
     once (atomically) in the diffusers layout under ``<cache>/presets/<name>-tiny-v<version>-seed<seed>`` so that
     it loads through ``from_pretrained`` like a released checkpoint. Bump ``version`` when the architecture
@@ -461,9 +462,12 @@ def save_pipeline(pipeline: Any, directory: str | Path) -> Path:
     return directory
 
 
-def create_flow_model(model_cls: Any, pipeline_cls: Any, section: Any, options: Any, device: Any, *, label: str,
-                      tiny: Any, default: str, presets: dict[str, str] | None = None, access_note: str = "",
-                      check: Any = None, **load_kwargs: Any) -> Any:
+def create_flow_model(model_cls: Callable[..., FlowModel], pipeline_cls: Any, section: ModelSection,
+                      options: DiffusersModelOptions, device: torch.device | str, *, label: str,
+                      tiny: tuple[str, int, Callable[[int], Any]], default: str,
+                      presets: dict[str, str] | None = None, access_note: str = "",
+                      check: Callable[[Any, str], None] | None = None,
+                      **load_kwargs: object) -> FlowModel:
     """The usual model factory: the checkpoint directory (the ``tiny`` preset, ``tiny = (name, version,
     build(seed))`` cached by ``tiny_directory`` with seed ``options.tiny_seed``; ``model.path``; a named preset's
     hub id from ``presets``; else ``default``), ``pipeline_cls.from_pretrained`` with clear errors,
@@ -471,7 +475,7 @@ def create_flow_model(model_cls: Any, pipeline_cls: Any, section: Any, options: 
     ``model_cls(pipeline, options, device, dtype)``."""
     from omnirl_core.presets import checkpoint_path
 
-    dtype_name = section.dtype
+    dtype_name: str = section.dtype
     if dtype_name == "auto":  # resolution makes it concrete; a plugin's own tests may call the factory directly
         from omnirl_core.precision import concrete_dtype
 

@@ -8,14 +8,14 @@ rollout plan (``plan``), the advantage (``assign_advantages``), which steps are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
-from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
+from omnirl_core.contracts import Conditioning, FlowModel, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.flow.sampler import gaussian_kl, step_mean, transition_logprob
 from omnirl_core.rl.advantage import assign_group_advantages
 from omnirl_core.rl.correction import (
@@ -28,6 +28,14 @@ from omnirl_core.rl.correction import (
 
 RS_KEEP = "rs_keep"
 """``Transition.extras`` key: the RS mask (1.0 kept, 0.0 rejected) applied to the unit's loss."""
+
+T = TypeVar("T")
+
+
+def _present(value: T | None, what: str) -> T:
+    """A field a flow transition must have by now (its sample's trajectory, a prepared log-prob or mean)."""
+    assert value is not None, f"a flow transition without its {what}"
+    return value
 
 
 @dataclass
@@ -43,7 +51,7 @@ class Transition(TrainingUnit):
 
     @property
     def rollout_logprob(self) -> torch.Tensor:
-        return self.sample.logprobs[self.step]
+        return _present(self.sample.logprobs, "rollout log-probs")[self.step]
 
     @property
     def kind(self) -> str:
@@ -62,22 +70,24 @@ class TransitionBatch:
     guidance_scale: float
 
 
-def stack_transitions(units: list[Transition], device: Any) -> TransitionBatch:
+def stack_transitions(units: list[Transition], device: torch.device | str) -> TransitionBatch:
     """Batched inputs of the transitions (x_j, x_{j+1}, s_j, s_{j+1}, conditioning)."""
-    x = torch.stack([u.sample.latents[u.step] for u in units]).to(device)
-    x_next = torch.stack([u.sample.latents[u.step + 1] for u in units]).to(device)
-    s = torch.stack([u.sample.sigmas[u.step] for u in units]).to(device)
-    s_next = torch.stack([u.sample.sigmas[u.step + 1] for u in units]).to(device)
-    sigma_max = torch.stack([u.sample.sigmas[1] for u in units]).to(device)
-    cond = Conditioning.cat([u.sample.cond for u in units]).to(device)
+    x = torch.stack([_present(u.sample.latents, "latents")[u.step] for u in units]).to(device)
+    x_next = torch.stack([_present(u.sample.latents, "latents")[u.step + 1] for u in units]).to(device)
+    s = torch.stack([_present(u.sample.sigmas, "sigmas")[u.step] for u in units]).to(device)
+    s_next = torch.stack([_present(u.sample.sigmas, "sigmas")[u.step + 1] for u in units]).to(device)
+    sigma_max = torch.stack([_present(u.sample.sigmas, "sigmas")[1] for u in units]).to(device)
+    cond = Conditioning.cat([_present(u.sample.cond, "conditioning") for u in units]).to(device)
     scale = units[0].sample.request.guidance_scale
     uncond = None
     if scale > 1.0:
-        uncond = Conditioning.cat([u.sample.uncond for u in units]).to(device)
+        uncond = Conditioning.cat([_present(u.sample.uncond, "unconditional conditioning")
+                                   for u in units]).to(device)
     return TransitionBatch(x, x_next, s, s_next, sigma_max, cond, uncond, scale)
 
 
-def transition_stats(model: Any, units: list[Transition], eta: float):
+def transition_stats(model: FlowModel, units: list[Transition],
+                     eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TransitionBatch]:
     """(mean, std, logp, batch) of the stored transitions under the model's current weights.
 
     All units of one call share a sampler kind (the trainer's micro-batches come from one plan)."""
@@ -105,7 +115,7 @@ class FlowPolicyGradientOptions(BaseModel):
     global_std: bool = Field(False, description="Normalise advantages by the batch std (True) or per group.")
 
 
-class FlowPolicyGradient(Algorithm):
+class FlowPolicyGradient(Algorithm[FlowModel, Transition]):
     """FlowGRPO's structure: group advantages, one unit per trained step, the clipped surrogate and the exact KL to
     the reference. Its options are a ``FlowPolicyGradientOptions``."""
 
@@ -137,7 +147,7 @@ class FlowPolicyGradient(Algorithm):
         return [Transition(s, j) for s in samples for j in s.request.plan.train_steps]
 
     # -- update --------------------------------------------------------------------------------
-    def prepare(self, model: Any, units: list[Transition]) -> dict[str, float]:
+    def prepare(self, model: FlowModel, units: list[Transition]) -> dict[str, float]:
         """Without grad, before the update: old log-probs (recompute mode)."""
         metrics: dict[str, float] = {}
         eta = units[0].sample.request.plan.eta
@@ -152,14 +162,15 @@ class FlowPolicyGradient(Algorithm):
                 metrics.update(step_diagnostics(record_deltas(units, logp)))
         return metrics
 
-    def reference_prepare(self, model: Any, units: list[Transition]) -> None:
+    def reference_prepare(self, model: FlowModel, units: list[Transition]) -> None:
         """Without grad, ``model`` being the reference policy: its transition means."""
         ref_mean, _, _, _ = transition_stats(model, units, units[0].sample.request.plan.eta)
         for u, m in zip(units, ref_mean):
             u.ref_mean = m.detach()
 
     def surrogate(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, units: list[Transition],
-                  mean: torch.Tensor, std: torch.Tensor, batch: TransitionBatch) -> tuple[torch.Tensor, dict]:
+                  mean: torch.Tensor, std: torch.Tensor,
+                  batch: TransitionBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-transition policy loss (N,) and metrics. FlowGRPO: the clipped ratio."""
         ratio = torch.exp(logp - old)
         clip = self.options.clip_range
@@ -168,7 +179,8 @@ class FlowPolicyGradient(Algorithm):
             "ratio/mean": float(ratio.detach().mean()),
         }
 
-    def loss(self, model: Any, units: list[Transition], first_update: bool = False, correction: bool = False):
+    def loss(self, model: FlowModel, units: list[Transition], first_update: bool = False,
+             correction: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
         """The policy loss of a micro-batch (mean over its units) and metrics.
 
         Rollout correction: a sample whose sequence IS weight leaves ``train.rs_band`` is rejected whole
@@ -178,7 +190,8 @@ class FlowPolicyGradient(Algorithm):
         eta = units[0].sample.request.plan.eta
         mean, std, logp, batch = transition_stats(model, units, eta)
         rollout = torch.stack([u.rollout_logprob for u in units]).to(logp.device)
-        old = torch.stack([u.old_logprob for u in units]).to(logp.device) if self.recompute else rollout
+        old = (torch.stack([_present(u.old_logprob, "old log-prob") for u in units]).to(logp.device)
+               if self.recompute else rollout)
         adv = torch.tensor([u.sample.advantage for u in units], device=logp.device)
         if not self.recompute and not correction:
             delta = record_deltas(units, logp, overwrite=False)
@@ -210,7 +223,7 @@ class FlowPolicyGradient(Algorithm):
         """The KL term of each transition (N,) that ``beta`` multiplies: the exact KL between the policy's and
         the reference's Gaussian transitions (equal std), closed form. An algorithm may weigh it otherwise
         (FlowGRPO's ``kl_convention``)."""
-        ref_mean = torch.stack([u.ref_mean for u in units]).to(mean.device)
+        ref_mean = torch.stack([_present(u.ref_mean, "reference mean") for u in units]).to(mean.device)
         return gaussian_kl(mean, ref_mean, std)
 
     def finish_minibatch(self, units: list[Transition]) -> tuple[list[Transition], dict[str, float]]:

@@ -164,7 +164,7 @@ def sample_step(
     eta: float,
     noise: torch.Tensor | None = None,
     sigma_max: torch.Tensor | None = None,
-    history: tuple[torch.Tensor, torch.Tensor] | None = None,
+    history: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> StepOut:
     """One rollout step: x' = mean + std * noise (noise drawn by the caller, per request, for batch invariance).
 

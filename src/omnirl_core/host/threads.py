@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,8 @@ class ThreadGovernor:
     with the fixed count that keeps a run reproducible bit for bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
-                 sample: Any = own_schedstat, apply: Any = None, probe: Any = others_runnable,
+                 sample: Callable[[], dict[str, tuple[int, int]]] = own_schedstat,
+                 apply: Callable[[int], None] | None = None, probe: Callable[[], int | None] = others_runnable,
                  machine_cpus: int | None = None):
         self.ceiling = self.threads = max(1, ceiling)
         self.drop_above, self.raise_below, self.min_ns = drop_above, raise_below, int(min_cpu_s * 1e9)
@@ -257,7 +259,7 @@ class ThreadPolicy:
         return asdict(self)
 
 
-def apply_env(threads: int | None = None, environ: Any = os.environ) -> None:
+def apply_env(threads: int | None = None, environ: MutableMapping[str, str] = os.environ) -> None:
     """Before torch loads: the OpenMP thread count and the spin-then-sleep wait, unless already set."""
     environ.setdefault("OMP_NUM_THREADS", str(threads or available_cpus()))
     if "OMP_WAIT_POLICY" not in environ:
@@ -282,7 +284,7 @@ def ray_assigned_cpus() -> int | None:
     return None if cpus is None else max(1, math.floor(cpus + 1e-9))
 
 
-def env_threads(environ: Any = os.environ) -> int | None:
+def env_threads(environ: Mapping[str, str] = os.environ) -> int | None:
     """The thread count ``OMP_NUM_THREADS`` asks for (its first level, as OpenMP reads a list), or None."""
     value = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     return int(value) if value.isdigit() and int(value) > 0 else None

@@ -51,7 +51,7 @@ class Controller:
         self.run_dir = RunDir(run_dir)
         self.on_step = on_step
         self.algorithm = build_algorithm(resolved)  # the controller's instance: plan, advantages, units
-        self.old_logprob = self.cfg.train.old_logprob  # rollout correction's current mode (may fall back)
+        self.old_logprob: str = self.cfg.train.old_logprob  # rollout correction's current mode (may fall back)
         self.executor = make_executor(resolved)
         self.data = data if data is not None else open_run_data(resolved)
         self.records = self.data.train
@@ -142,6 +142,7 @@ class Controller:
         train_metrics = self.executor.update(units, step)
         train_metrics["correction/recompute"] = float(self.old_logprob == "recompute")
         if self.fallback.observe(self.old_logprob, train_metrics):
+            assert self.cfg.train.rs_fallback is not None  # observe answers True only with a threshold
             log.warning(
                 "rollout correction: the RS mask rejected more than %.0f%% of the samples for %d steps in a row "
                 "(last: %.1f%%); the rollout's log-probs no longer stand in for the old policy. Switching to "

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def free_port() -> int:
@@ -46,7 +49,7 @@ def ensure_process_group(backend: str) -> None:
         init_process_group(backend, 0, 1, "127.0.0.1", free_port())
 
 
-def shard_units(module: Any, names: list[str] | None = None) -> list[Any]:
+def shard_units(module: torch.nn.Module, names: list[str] | None = None) -> list[torch.nn.Module]:
     """The blocks a sharding engine (FSDP2) shards and gathers one at a time: the modules of the ModuleLists
     ``names`` (dotted paths below ``module``); by default those of ``module``'s top-level ModuleLists, else of
     its outermost ModuleLists wherever they sit (a decoder's layers below ``language_model.model``). Empty: no
@@ -72,7 +75,7 @@ def shard_units(module: Any, names: list[str] | None = None) -> list[Any]:
     if top:
         return top
     chosen: list[str] = []
-    blocks: list[Any] = []
+    blocks: list[torch.nn.Module] = []
     for name, child in module.named_modules():
         if isinstance(child, torch.nn.ModuleList) and name and not any(name.startswith(c + ".") for c in chosen):
             chosen.append(name)

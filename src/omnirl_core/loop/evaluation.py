@@ -20,11 +20,16 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.rundir.checkpoint import write_atomic
+
+if TYPE_CHECKING:
+    from omnirl_core.config import RunConfig
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import ResolvedRun
 
 TOTAL = "reward"
 """The weighted sum of the rewards (what training maximises), beside each reward by name."""
@@ -37,7 +42,7 @@ def ode_plan(num_steps: int) -> RolloutPlan:
     return RolloutPlan(step_kinds=("ode",) * num_steps, train_steps=())
 
 
-def eval_steps(cfg: Any) -> int:
+def eval_steps(cfg: RunConfig) -> int:
     """The evaluation sampler's steps: ``run.eval_steps``, else the rollout's."""
     return cfg.run.eval_steps or cfg.rollout.num_steps
 
@@ -48,7 +53,8 @@ def eval_seed(seed: int, prompt: str, k: int) -> int:
     return int.from_bytes(digest[:8], "big") % (2**62)
 
 
-def eval_requests(records: list[dict[str, Any]], cfg: Any, samples_per_prompt: int, seed: int) -> list[GenRequest]:
+def eval_requests(records: list[dict[str, Any]], cfg: RunConfig, samples_per_prompt: int,
+                  seed: int) -> list[GenRequest]:
     plan = ode_plan(eval_steps(cfg))
     out = []
     for i, record in enumerate(records):
@@ -125,7 +131,7 @@ def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int
     return rows
 
 
-def evaluate(generate: Callable[[list[GenRequest]], list[Sample]], records: list[dict[str, Any]], cfg: Any,
+def evaluate(generate: Callable[[list[GenRequest]], list[Sample]], records: list[dict[str, Any]], cfg: RunConfig,
              samples_per_prompt: int, seed: int, label: str) -> EvalResult:
     """``generate(requests)`` returns the scored samples (a run's executor, or ``Evaluator``)."""
     if not records:
@@ -183,7 +189,7 @@ def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | Non
     return path
 
 
-def eval_settings(cfg: Any, *, step: int, checkpoint: str | None, weights: str | None, during_training: bool,
+def eval_settings(cfg: RunConfig, *, step: int, checkpoint: str | None, weights: str | None, during_training: bool,
                   prompts: str, test_prompts: int, samples: int, seed: int) -> dict[str, Any]:
     """The settings an evaluation's ``results.json`` records, during training and from ``omnirl eval`` alike."""
     return {"step": step, "checkpoint": checkpoint, "weights": weights, "during_training": during_training,
@@ -214,7 +220,7 @@ class Evaluator:
     """A model to evaluate or sample from, outside a training run: one rollout worker (LoRA layout as the run
     trained it) whose weights are the base model's until ``load`` puts a checkpoint's or a LoRA's in."""
 
-    def __init__(self, resolved: Any, score: bool = True):
+    def __init__(self, resolved: ResolvedRun, score: bool = True):
         from omnirl_core.loop.worker import Worker
 
         self.resolved = resolved
@@ -274,10 +280,13 @@ def run_layers(run_dir: Path) -> dict[str, Any]:
     return saved
 
 
-def default_algorithm(manager: Any, model_name: str) -> str:
+def default_algorithm(manager: PluginManager, model_name: str) -> str:
     """An algorithm that fits the model, to complete a config that only evaluates or samples (neither uses it)."""
+    from omnirl_core.registry import AlgorithmSpec
+
     model = manager.resolve("model", model_name)
-    fitting = [a.qualified_name for a in manager.registries["algorithm"] if a.requires <= model.capabilities]
+    fitting = [a.qualified_name for a in manager.registries["algorithm"]
+               if isinstance(a, AlgorithmSpec) and a.requires <= model.capabilities]  # the registry's only kind
     if not fitting:
         raise UsageError(f"No installed algorithm works with model '{model.name}'.",
                          hint="Pass --algo NAME (see `omnirl list algos`).")
@@ -316,7 +325,8 @@ def checkpoint_step(path: Path | None) -> int:
     return int(match.group(1)) if match else 0
 
 
-def eval_records(resolved: Any, prompts: str | None, split: str, max_prompts: int | None) -> tuple[list[dict], str]:
+def eval_records(resolved: ResolvedRun, prompts: str | None, split: str,
+                 max_prompts: int | None) -> tuple[list[dict], str]:
     """The prompts to evaluate on and a description. ``split``: ``test`` (the held-out split; all of
     ``prompts`` when that source has none), ``train`` or ``all``."""
     from omnirl_core.data.sources import open_run_data
@@ -352,6 +362,7 @@ def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
     rows = []
     for n, s in enumerate(sorted(samples, key=lambda s: s.request.uid)):
         stem = out / f"{n:04d}"
+        assert s.output is not None, "a sample without its output"
         if isinstance(s.output, str):
             path = stem.with_suffix(".txt")
             write_atomic(path, s.output + "\n")
@@ -369,8 +380,8 @@ def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
 
 # -- what `omnirl eval` / `omnirl sample` load ----------------------------------------------------------
 
-def resolve_for_eval(manager: Any, layers: list[dict[str, Any]], run_dir: Path | None, model_given: bool,
-                     algo_given: bool) -> Any:
+def resolve_for_eval(manager: PluginManager, layers: list[dict[str, Any]], run_dir: Path | None, model_given: bool,
+                     algo_given: bool) -> ResolvedRun:
     """The resolved config of what eval / sample load: a run directory's config (the given layers on top), or
     a model given by flags (with the model's default algorithm unless one is given: the base model)."""
     from omnirl_core.resolve import resolve_run
@@ -403,7 +414,7 @@ def weights_to_load(run_dir: Path | None, checkpoint: str | None, lora: str | No
     return find_checkpoint(run_dir, checkpoint)
 
 
-def default_eval_dir(resolved: Any) -> Path:
+def default_eval_dir(resolved: ResolvedRun) -> Path:
     """Where a base-model evaluation goes when no run directory or --output-dir is given."""
     import time
 

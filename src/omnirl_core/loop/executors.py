@@ -17,9 +17,8 @@ The interface the controller uses:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from omnirl_core.contracts import GenRequest, Sample
+from omnirl_core.contracts import Executor, GenRequest, PolicyModel, Sample, TrainEngine, TrainingUnit
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.registry import load_object
 from omnirl_core.resolve import ResolvedRun
@@ -34,7 +33,7 @@ def build_rewards(resolved: ResolvedRun) -> RewardSet:
     return RewardSet(fns, resolved.config.run.reward_timeout_s)
 
 
-class InlineExecutor:
+class InlineExecutor(Executor):
     name = "inline"
 
     def __init__(self, resolved: ResolvedRun):
@@ -46,11 +45,11 @@ class InlineExecutor:
 
     # the colocated worker's parts, for callers that inspect them
     @property
-    def model(self) -> Any:
+    def model(self) -> PolicyModel | None:
         return self.worker.model if self.worker else None
 
     @property
-    def trainer(self) -> Any:
+    def trainer(self) -> TrainEngine | None:
         return self.worker.trainer if self.worker else None
 
     def setup(self) -> None:
@@ -106,7 +105,7 @@ class InlineExecutor:
         assert self.rewards is not None
         self.rewards.score(samples)
 
-    def update(self, units: list[Any], step: int) -> dict[str, float]:
+    def update(self, units: list[TrainingUnit], step: int) -> dict[str, float]:
         assert self.worker is not None
         if self.reference is None:
             return self.worker.update(units, step)
@@ -134,8 +133,9 @@ class InlineExecutor:
             self.stream.close()
 
 
-EXECUTORS: dict[str, Any] = {"inline": InlineExecutor, "ray": "omnirl_core.loop.ray_executor:RayExecutor"}
+EXECUTORS: dict[str, type[Executor] | str] = {"inline": InlineExecutor,
+                                               "ray": "omnirl_core.loop.ray_executor:RayExecutor"}
 
 
-def make_executor(resolved: ResolvedRun) -> Any:
+def make_executor(resolved: ResolvedRun) -> Executor:
     return load_object(EXECUTORS[resolved.config.run.executor])(resolved)

@@ -16,12 +16,17 @@ saved); the process then exits without waiting for it (``abandoned``).
 from __future__ import annotations
 
 import logging
+import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 T = TypeVar("T")
 
@@ -41,9 +46,9 @@ class StopSignals:
     def __init__(self) -> None:
         self.pending: int | None = None
         self._deferring = False
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[signal.Signals, Any] = {}
 
-    def _handler(self, signum: int, frame: Any) -> None:
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self._deferring and self.pending is None:
             self.pending = signum
             log.warning("%s: finishing the update in progress, then saving (send it again to stop at once, "
@@ -82,30 +87,52 @@ class StopSignals:
 _ABANDONED: list[threading.Thread] = []
 
 
+class _Helper:
+    """One long-lived daemon thread that computes what ``interruptible`` hands it, one call at a time: its
+    OpenMP team (torch's CPU threads) lives as long as it does, where a thread per call would build one per call.
+    A call a signal abandons keeps it; the next call gets a new helper."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="omnirl-compute", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, threads, box, done = self.jobs.get()
+            try:
+                torch = sys.modules.get("torch")
+                if torch is not None and threads and torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)  # the caller's count: threads.adapt changes it between steps
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+
+_HELPER: list[_Helper] = []
+
+
 def interruptible(fn: Callable[[], T], heartbeat: Callable[[float], None] | None = None,
                   every_s: float = 10.0) -> T:
     """``fn()``, computed on a helper thread while the calling (main) thread waits, so that a stop signal's handler
     runs within a fraction of a second even while ``fn`` is inside one long native call. The handler's exception
     (``Interrupted``) leaves the call behind: it finishes on its own and its result is dropped. ``heartbeat(s)`` is
     called every ``every_s`` seconds of waiting with the seconds waited so far (progress of a long call). Off the
-    main thread (where no handler runs) ``fn`` runs in place. Thread-local torch state (grad mode) is not carried
-    over: ``fn`` sets what it needs."""
+    main thread (where no handler runs) ``fn`` runs in place. The helper computes with the caller's torch thread
+    count; other thread-local torch state (grad mode, the CUDA device) is not carried over: ``fn`` sets what it
+    needs."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
+    if not _HELPER:
+        _HELPER.append(_Helper())
+    helper = _HELPER[0]
+    torch = sys.modules.get("torch")
     box: dict[str, Any] = {}
     done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-        finally:
-            done.set()
-
-    thread = threading.Thread(target=target, name="omnirl-compute", daemon=True)
     start = last = time.monotonic()
-    thread.start()
+    helper.jobs.put((fn, torch.get_num_threads() if torch is not None else None, box, done))
     try:
         while not done.wait(0.5):  # a signal interrupts the wait and its handler runs here
             now = time.monotonic()
@@ -114,7 +141,8 @@ def interruptible(fn: Callable[[], T], heartbeat: Callable[[float], None] | None
                 heartbeat(now - start)
     except BaseException:
         if not done.is_set():
-            _ABANDONED.append(thread)
+            _ABANDONED.append(helper.thread)
+            _HELPER.clear()  # it stays busy with the abandoned call
         raise
     if "error" in box:
         raise box["error"]

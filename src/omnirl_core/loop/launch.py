@@ -14,10 +14,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.rundir.rundir import RunDir
+
+if TYPE_CHECKING:
+    from omnirl_core.data.sources import PromptData
+    from omnirl_core.plan.planner import MemoryPlan
+    from omnirl_core.plugins import PluginManager
 
 
 def default_run_dir(resolved: ResolvedRun) -> Path:
@@ -33,16 +38,16 @@ class Launch:
     resolved: ResolvedRun
     run_path: Path
     dump: dict[str, Any]
-    data: Any = None
+    data: PromptData | None = None
     """The opened ``PromptData`` (None only in a dry run whose prompts are missing: ``data_problem``)."""
     data_problem: str | None = None
-    memory: Any = None
+    memory: MemoryPlan | None = None
     """The memory plan the run was checked against (``omnirl_core.plan``), or None when the model has none."""
     device_type: str | None = None
     """The torch device type the run uses (``cpu``, ``cuda``, ...), None when no device of its kind is here."""
 
     @classmethod
-    def prepare(cls, manager: Any, resolved: ResolvedRun, dry_run: bool = False) -> Launch:
+    def prepare(cls, manager: PluginManager, resolved: ResolvedRun, dry_run: bool = False) -> Launch:
         """Everything that can fail before a run touches its directory: the trackers' options, the run
         directory's identity (a directory holding another run is refused), the prompt data, and the memory the
         run needs against the device it runs on (``check_memory``: the same check in a dry run)."""
@@ -64,7 +69,7 @@ class Launch:
         launch.check_memory(manager)
         return launch
 
-    def check_memory(self, manager: Any) -> None:
+    def check_memory(self, manager: PluginManager) -> None:
         """The memory plan of the run against the memory of the device it uses (``plan.memory.check_run_memory``):
         exit 2 when it cannot fit. A dry run resolves the device by name only (nothing touches it); a device that
         is not here leaves the plan without a verdict."""
@@ -102,6 +107,6 @@ class Launch:
             "config": self.dump,
         }
 
-    def claim(self, manager: Any) -> bool:
+    def claim(self, manager: PluginManager) -> bool:
         """Take the run directory (locked for this process): True when it resumes a run saved there."""
         return RunDir(self.run_path).claim(self.dump, self.resolved.lock(manager))

@@ -43,13 +43,16 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from omnirl_core.contracts import TRAJECTORY_FIELDS, GenRequest, Sample
+from omnirl_core.contracts import TRAJECTORY_FIELDS, Executor, GenRequest, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.loop.executors import build_rewards
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.resolve import ResolvedRun
+
+if TYPE_CHECKING:
+    from omnirl_core.contracts import TrainEngine
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -261,13 +264,14 @@ class _RewardDispatch:
 
     def _send_shares(self) -> None:
         while self.pending and len(self._busy) < self.slots:
-            share = max(1, -(-len(self.pending) // self.slots)) if self.batching and not self.coalesce else 1
+            # an int: ``slots`` is infinite only when coalescing
+            share = int(max(1, -(-len(self.pending) // self.slots))) if self.batching and not self.coalesce else 1
             if self.coalesce:
                 share = max(share, min(len(self.pending), self.coalesce))
             self.send(self.pending[:share])
             del self.pending[:share]
 
-    def add(self, view: Any) -> None:
+    def add(self, view: Sample) -> None:
         self.pending.append(view)
         self.flush()
 
@@ -423,7 +427,7 @@ def _bundle(options: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v}
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     name = "ray"
 
     def __init__(self, resolved: ResolvedRun):
@@ -435,7 +439,8 @@ class RayExecutor:
                 "have to run on every sharded rank.",
                 hint="Set run.placement=split (a separate rollout worker, weights synced after each update).",
             )
-        if run.train_workers > 1 and not resolved.train_engine.load_factory().distributed:
+        engine_cls = cast("type[TrainEngine]", resolved.train_engine.load_factory())  # a train engine's factory
+        if run.train_workers > 1 and not engine_cls.distributed:
             raise UsageError(
                 f"Train engine '{resolved.train_engine.name}' runs in one process; run.train_workers="
                 f"{run.train_workers} needs a distributed engine.",
@@ -611,7 +616,8 @@ class RayExecutor:
         views, refs = consume_stream(stream, dispatch, hold, mode == "async")
         rollout_end = time.perf_counter()
         if mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
-            size = -(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots)) if views else 1
+            size = int(-(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots))) \
+                if views else 1  # an int: ``slots`` is infinite only when coalescing
             for i in range(0, len(views), size):
                 dispatch.send(views[i:i + size])
         else:

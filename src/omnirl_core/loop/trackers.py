@@ -20,11 +20,19 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omnirl_core.config import validate_options
+from pydantic import BaseModel
+
+from omnirl_core.config import RunConfig, validate_options
 from omnirl_core.contracts.runtime import Tracker
 from omnirl_core.errors import ConfigError
+from omnirl_core.registry import TrackerSpec
+
+if TYPE_CHECKING:
+    from omnirl_core.contracts import Sample
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import ResolvedRun
 
 log = logging.getLogger("omnirl.trackers")
 MAX_WARNINGS = 3
@@ -60,8 +68,8 @@ class StepEvent:
 @dataclass
 class ResolvedTracker:
     name: str
-    spec: Any
-    options: Any
+    spec: TrackerSpec
+    options: BaseModel | None
 
 
 def numeric(record: dict[str, Any]) -> dict[str, float]:
@@ -70,7 +78,8 @@ def numeric(record: dict[str, Any]) -> dict[str, float]:
             if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, str)}
 
 
-def resolve_trackers(manager: Any, config: Any, resolved: Any = None) -> list[ResolvedTracker]:
+def resolve_trackers(manager: PluginManager, config: RunConfig,
+                     resolved: ResolvedRun | None = None) -> list[ResolvedTracker]:
     """Resolve ``run.trackers`` (an unknown name is a PluginError, bad options a ConfigError); with
     ``resolved`` (a ResolvedRun) the validated options join its dump, as every plugin's do."""
     out: list[ResolvedTracker] = []
@@ -100,7 +109,7 @@ class TrackerSet:
 
     def __init__(self, trackers: list[ResolvedTracker]):
         self.pending = trackers
-        self.active: list[tuple[str, Any]] = []
+        self.active: list[tuple[str, Tracker]] = []
         self.failures: dict[str, int] = {}
 
     def __bool__(self) -> bool:
@@ -146,7 +155,7 @@ class TrackerSet:
         self.active = []
 
 
-def step_event(step: int, record: dict[str, Any], samples: list[Any], reward_names: list[str],
+def step_event(step: int, record: dict[str, Any], samples: list[Sample], reward_names: list[str],
                images: dict[str, Path]) -> StepEvent:
     """A tracker's view of one finished step."""
     histograms: dict[str, list[float]] = {}

@@ -5,11 +5,18 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omnirl_core.algorithm import Algorithm, lacks_reference
+from omnirl_core.contracts import PolicyModel, TrainingUnit
 from omnirl_core.errors import OmnirlError
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+U = TypeVar("U", bound=TrainingUnit)
 
 
 class NonFiniteError(OmnirlError):
@@ -36,11 +43,11 @@ def finite_update(grad_norm: float, losses: list[float], step: int, minibatch: i
     )
 
 
-def chunks(items: list[Any], size: int) -> list[list[Any]]:
+def chunks(items: list[T], size: int) -> list[list[T]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def split_even(items: list[Any], parts: int) -> list[list[Any]]:
+def split_even(items: list[T], parts: int) -> list[list[T]]:
     """``parts`` contiguous pieces whose sizes differ by at most one (some empty when parts > len; none when
     parts is 0)."""
     if parts <= 0:
@@ -73,7 +80,7 @@ class MetricMean:
                 self.sums[key] += float(value) * weight
                 self.weights[key] += weight
 
-    def all_reduce(self, device: Any = "cpu") -> None:
+    def all_reduce(self, device: torch.device | str = "cpu") -> None:
         """Combine every rank's metrics (all ranks call this with the same keys); ``device``: where the
         backend's tensors live (CPU for gloo, the accelerator for nccl / hccl)."""
         import torch
@@ -103,7 +110,8 @@ class MetricMean:
         return out
 
 
-def prepare_all(algorithm: Algorithm, model: Any, units: list[Any], micro_batch_size: int, metrics: MetricMean,
+def prepare_all(algorithm: Algorithm, model: PolicyModel, units: list[TrainingUnit], micro_batch_size: int,
+                metrics: MetricMean,
                 reference: Callable[[], list[dict[str, Any]]] | None = None) -> None:
     """The no-grad pass before the update: ``algorithm.prepare`` over every unit in micro-batches (old
     log-probs), then the reference policy's outputs when the algorithm uses a reference.
@@ -126,7 +134,7 @@ def prepare_all(algorithm: Algorithm, model: Any, units: list[Any], micro_batch_
                     algorithm.reference_prepare(model, micro)
 
 
-def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
+def attach_reference(units: list[TrainingUnit], payload: list[dict[str, Any]]) -> None:
     """Put a reference worker's outputs (``Worker.reference_outputs``) on the actor's copy of the units."""
     if len(payload) != len(units):
         raise RuntimeError(f"reference worker returned {len(payload)} results for {len(units)} units")
@@ -135,16 +143,16 @@ def attach_reference(units: list[Any], payload: list[dict[str, Any]]) -> None:
             setattr(unit, name, value)
 
 
-def sample_blocks(units: list[Any]) -> list[list[Any]]:
+def sample_blocks(units: list[U]) -> list[list[U]]:
     """Units grouped by the sample they come from (a unit of no single sample, ``sample`` None, is its own group),
     in order."""
-    groups: dict[int, list[Any]] = {}
+    groups: dict[int, list[U]] = {}
     for unit in units:
         groups.setdefault(id(unit.sample if unit.sample is not None else unit), []).append(unit)
     return list(groups.values())
 
 
-def minibatches(units: list[Any], count: int, step: int, shuffle: bool) -> list[list[Any]]:
+def minibatches(units: list[U], count: int, step: int, shuffle: bool) -> list[list[U]]:
     """Whole samples shuffled (seeded by step, so every rank and every engine agrees) and split into
     ``count`` minibatches: all trained steps of a sample land in one minibatch, so its sequence IS weight
     is formed from evaluations at the same weights (rollout correction)."""
@@ -159,12 +167,13 @@ def minibatches(units: list[Any], count: int, step: int, shuffle: bool) -> list[
     return [[u for block in ordered[i:i + size] for u in block] for i in range(0, len(ordered), size)]
 
 
-def rank_share(units: list[Any], rank: int, world_size: int) -> list[Any]:
+def rank_share(units: list[U], rank: int, world_size: int) -> list[U]:
     """A rank's share of a minibatch: every world-th sample, whole (its steps stay on one rank)."""
     return [u for block in sample_blocks(units)[rank::world_size] for u in block]
 
 
-def rs_corrections(algorithm: Algorithm, units: list[Any], metrics: MetricMean, filler: list[Any] = ()) -> list[Any]:
+def rs_corrections(algorithm: Algorithm, units: list[TrainingUnit], metrics: MetricMean,
+                   filler: Sequence[TrainingUnit] = ()) -> list[TrainingUnit]:
     """After a minibatch's micro-batches, before its optimizer step: the algorithm's sequence-level
     diagnostics over the whole samples, and the units whose rejection-sampling mask changed once all of
     their sample's steps were seen (bypass mode). The engine re-runs those with ``loss(..., correction=True)``,

@@ -9,18 +9,23 @@ inside Ray actors, so both executors compute the very same numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omnirl_core.algorithm import Algorithm
-from omnirl_core.contracts import GenRequest, PolicyModel, RolloutEngine, Sample, TrainEngine
+from omnirl_core.contracts import GenRequest, PolicyModel, RolloutEngine, Sample, TrainEngine, TrainingUnit
 from omnirl_core.errors import PluginError, UsageError
 from omnirl_core.flow.model import cfg_gradient
 from omnirl_core.precision import offload_frozen, upcast_adapters
 from omnirl_core.registry import ComponentSpec
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.weights import export_trained_state, import_trained_state
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnirl_core.host.threads import ThreadGovernor
 
 T = TypeVar("T")
 ROLES = frozenset({"actor", "rollout", "reference"})
@@ -64,7 +69,7 @@ def reference_placement(resolved: ResolvedRun, algorithm: Algorithm) -> str | No
     return "separate"
 
 
-def torch_device(resolved: ResolvedRun) -> Any:
+def torch_device(resolved: ResolvedRun) -> torch.device:
     """The worker's torch device. Executors restrict each worker to its own accelerators through the
     device's visible-devices variable, so index 0 is this worker's one. A device whose torch support is
     an extension (Ascend's torch-npu) registers it in its probe, called here in every worker."""
@@ -92,7 +97,7 @@ class Worker:
         self.model: PolicyModel = None  # type: ignore[assignment]  # built by setup()
         self.rollout: RolloutEngine | None = None
         self.trainer: TrainEngine | None = None
-        self.governor: Any = None
+        self.governor: ThreadGovernor | None = None
         self._adapted = False  # the pool was re-judged this step (by the rollout on this worker)
 
     def adapt_threads(self) -> dict[str, float]:
@@ -136,6 +141,7 @@ class Worker:
         if self.roles & {"actor", "reference"}:
             self.algorithm = build_algorithm(r)
         if "actor" in self.roles:
+            assert self.algorithm is not None
             # with a separate reference worker the actor keeps no frozen copy (full fine-tuning)
             need_ref = reference_placement(r, self.algorithm) == "actor"
             self.model.setup_training(cfg.model.lora, need_reference=need_ref)
@@ -160,7 +166,9 @@ class Worker:
         # the actor's algorithm may roll out with other weights than the trained ones (DiffusionNFT's EMA
         # sampler policy); a separate rollout worker gets those through ``sync_policy`` instead
         colocated = self.algorithm is not None and "actor" in self.roles
-        if not colocated:
+        assert self.rollout is not None
+        policy: AbstractContextManager[None]
+        if not colocated or self.algorithm is None:
             policy = nullcontext()
         elif evaluation:
             policy = self.algorithm.eval_policy(self.model)
@@ -170,13 +178,14 @@ class Worker:
             yield from self.rollout.generate(requests)
 
     # -- reference -----------------------------------------------------------------------------
-    def reference_outputs(self, units: list[Any]) -> list[dict[str, Any]]:
+    def reference_outputs(self, units: list[TrainingUnit]) -> list[dict[str, Any]]:
         """The reference policy's outputs for ``units`` (the algorithm's ``reference_fields``), computed
         without grad in micro-batches; what the actor would compute in its own ``prepare``."""
         import torch
 
         from omnirl_core.loop.training import chunks
 
+        assert self.algorithm is not None
         context = self.model.reference() if self.model.lora is not None else nullcontext()
         with torch.no_grad(), context:
             for micro in chunks(units, self.resolved.config.train.micro_batch_size):
@@ -185,11 +194,11 @@ class Worker:
         return [{name: getattr(u, name) for name in fields} for u in units]
 
     # -- training ------------------------------------------------------------------------------
-    def update(self, units: list[Any], step: int,
+    def update(self, units: list[TrainingUnit], step: int,
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step. ``reference``: waits for a reference worker's outputs for ``units``; they are
         fetched after the actor's own no-grad pass (``training.prepare_all``), which overlaps them."""
-        assert self.algorithm is not None
+        assert self.algorithm is not None and self.trainer is not None
         if not self._adapted:
             self.adapt_threads()  # a worker that only trains (Ray, apart from the rollout): its step starts here
         self._adapted = False
@@ -204,11 +213,12 @@ class Worker:
             self.algorithm.old_logprob = mode
 
     # -- weight sync ---------------------------------------------------------------------------
-    def trained_state(self, evaluation: bool = False) -> dict[str, Any] | None:
+    def trained_state(self, evaluation: bool = False) -> dict[str, torch.Tensor] | None:
         """The weights a rollout worker needs (LoRA only, or the full denoiser); None on ranks > 0. An
         algorithm that samples with other weights than the trained ones (DiffusionNFT's EMA) swaps them in
         for the export through its ``sync_policy(model)`` hook; ``evaluation``: the weights it evaluates
         (``eval_policy``)."""
+        policy: AbstractContextManager[None]
         if self.algorithm is None:
             policy = nullcontext()
         else:
@@ -217,7 +227,7 @@ class Worker:
             state = export_trained_state(self.model, self.trainer)  # copies: the hook's swap is undone after
         return state if self.rank == 0 else None
 
-    def load_trained_state(self, state: dict[str, Any]) -> None:
+    def load_trained_state(self, state: dict[str, torch.Tensor]) -> None:
         import_trained_state(self.model, state)
 
     # -- checkpoints ---------------------------------------------------------------------------

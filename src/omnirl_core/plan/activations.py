@@ -162,10 +162,12 @@ def _prepare(module: torch.nn.Module, lora_rank: int | None, lora_targets: tuple
         module.requires_grad_(True)
     if checkpointing:
         if hasattr(module, "enable_gradient_checkpointing"):  # diffusers
-            module.enable_gradient_checkpointing(gradient_checkpointing_func=_checkpoint_with_fused_attention)
+            module.enable_gradient_checkpointing(  # type: ignore[operator]  # diffusers' ModelMixin
+                gradient_checkpointing_func=_checkpoint_with_fused_attention)
         else:  # transformers
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                "use_reentrant": False, "context_fn": lambda: (FusedAttention(), FusedAttention())})
+            module.gradient_checkpointing_enable(  # type: ignore[operator]  # transformers' PreTrainedModel
+                gradient_checkpointing_kwargs={"use_reentrant": False,
+                                               "context_fn": lambda: (FusedAttention(), FusedAttention())})
     return module
 
 

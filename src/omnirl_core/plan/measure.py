@@ -6,17 +6,20 @@ allocation with the allocator's running total (``profile_memory=True``); the pea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
-def _events(nodes: Any) -> Any:
+def _events(nodes: Any) -> Iterator[Any]:  # Any: nodes of torch's profiler event tree (an untyped private API)
     for node in nodes:
         yield node
         yield from _events(node.children)
 
 
-def cpu_peak_bytes(run: Callable[[], Any]) -> int:
+def cpu_peak_bytes(run: Callable[[], object]) -> int:
     """Peak bytes the CPU allocator held above what it held when ``run()`` started."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -31,7 +34,7 @@ def cpu_peak_bytes(run: Callable[[], Any]) -> int:
     return max(n.extra_fields.total_allocated for n in allocations) - base
 
 
-def peak_bytes(run: Callable[[], Any], device: Any = "cpu") -> int:
+def peak_bytes(run: Callable[[], object], device: torch.device | str = "cpu") -> int:
     """Peak bytes allocated on ``device`` while ``run()`` executes, above the level when it started."""
     import torch
 
@@ -46,7 +49,7 @@ def peak_bytes(run: Callable[[], Any], device: Any = "cpu") -> int:
     return cpu_peak_bytes(run)
 
 
-def training_step_peak_bytes(module: Any, loss: Callable[[], Any]) -> int:
+def training_step_peak_bytes(module: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> int:
     """Peak CPU bytes of ``loss().backward()`` through ``module``, measured on a second step: the first creates
     what lives on between steps (RoPE caches, the gradients' buffers), which the planner counts elsewhere."""
     loss().backward()

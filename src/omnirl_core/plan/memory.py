@@ -1,21 +1,29 @@
-"""A first, up-front memory check: what one step's rollout keeps in host memory until the update.
+"""The memory check a run makes before anything loads (``check_run_memory``: ``--dry-run`` and the run alike),
+and its floor: what one step's rollout keeps in host memory until the update.
 
-A floor, not a plan: every sample holds its decoded output (3 x H x W [x F] fp32) and its trajectory
-((num_steps + 1) latents, taken as 16 channels at 1/8 resolution, the layout of Qwen-Image, SD3.5 and FLUX;
-video VAEs compress more). Model weights, activations and the text encoder come on top of it, so a run
-refused here could never fit; one that passes may still need more.
+The floor (``check_rollout_memory``), not a plan: every sample holds its decoded output (3 x H x W [x F] fp32) and
+its trajectory ((num_steps + 1) latents, taken as 16 channels at 1/8 resolution, the layout of Qwen-Image, SD3.5 and
+FLUX; video VAEs compress more). Model weights, activations and the text encoder come on top of it, so a run
+refused here could never fit; one that passes may still need more. It stands in when the model cannot be planned.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING
 
 from omnirl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omnirl_core.config import RunConfig
+    from omnirl_core.plan.model import ModelSizing
+    from omnirl_core.plan.planner import MemoryPlan
+    from omnirl_core.resolve import ResolvedRun
 
 GIB = 1024**3
 
 
-def rollout_state_bytes(cfg: Any) -> dict[str, int]:
+def rollout_state_bytes(cfg: RunConfig) -> dict[str, int]:
     r = cfg.rollout
     samples = r.prompts_per_step * r.group_size
     pixels = r.height * r.width * (r.num_frames or 1)
@@ -36,7 +44,7 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_rollout_memory(cfg: Any, available: int | None = None) -> dict[str, int]:
+def check_rollout_memory(cfg: RunConfig, available: int | None = None) -> dict[str, int]:
     """Refuse a step whose rollout state alone exceeds the host memory available now."""
     need = rollout_state_bytes(cfg)
     available = available_host_bytes() if available is None else available
@@ -71,7 +79,7 @@ def device_memory(torch_device: str | None) -> tuple[int | None, str]:
     return None, ""
 
 
-def with_device_dtype(resolved: Any, torch_device: str | None) -> Any:
+def with_device_dtype(resolved: ResolvedRun, torch_device: str | None) -> ResolvedRun:
     """``resolved`` with ``model.dtype: auto`` made what a run on ``torch_device`` loads (as resolution does for a
     run; a dry run resolves no device), so that the plan counts the weights the run will hold."""
     if torch_device is None or resolved.config.model.dtype != "auto":
@@ -82,19 +90,60 @@ def with_device_dtype(resolved: Any, torch_device: str | None) -> Any:
 
     out = copy.copy(resolved)
     out.config = resolved.config.model_copy(deep=True)
-    out.config.model.dtype = concrete_dtype("auto", torch_device)
+    out.config.model.dtype = concrete_dtype("auto", torch_device)  # type: ignore[assignment]  # a Literal's value
     return out
 
 
-def check_run_memory(resolved: Any, torch_device: str | None) -> Any:
+def local_checkpoint_numel(path: str) -> int | None:
+    """Elements of the tensors in the safetensors files under a local checkpoint directory, read from their
+    headers (no weights load); None when ``path`` is not a local directory or holds no safetensors file."""
+    import json
+    import math
+    from pathlib import Path
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return None
+    total, found = 0, False
+    for file in root.rglob("*.safetensors"):
+        try:
+            with open(file, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        except (OSError, ValueError):
+            return None
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        found = True
+    return total if found else None
+
+
+def _plans_the_checkpoint(path: str | None, sizing: ModelSizing) -> bool:
+    """Whether the sizing (the released architecture) describes the checkpoint ``model.path`` names: a hub id is
+    taken for one; a local path that is missing is left to the load, which says so; a local directory must hold
+    about as many weights (within 2x) as the released model, else it is another model (a tiny one saved to disk)."""
+    from pathlib import Path
+
+    if not path or sizing.preset is not None:
+        return True
+    local = Path(path).expanduser()
+    if path.startswith((".", "/", "~")) and not local.exists():
+        return False
+    numel = local_checkpoint_numel(path)
+    planned = sum(sizing.components.values())
+    if numel is None or planned <= 0 or 0.5 <= numel / planned <= 2:
+        return True
+    logging.getLogger("omnirl").info(
+        "model.path %s holds %.3g parameters, the released architecture %.3g: the memory plan is not of this "
+        "checkpoint, only the floor of a step's samples is checked", path, numel, planned)
+    return False
+
+
+def check_run_memory(resolved: ResolvedRun, torch_device: str | None) -> MemoryPlan | None:
     """The memory check of a run before anything loads, the same for ``--dry-run`` and the real run: the memory
     plan (``omnirl plan``'s numbers for the architecture the run loads) against the memory of the device in use
     (on the CPU, the host memory available now, which holds the step's samples too); refused (``ConfigError``, exit
     2) with the numbers and the changes that would fit. When the model cannot be planned (no ``sizing``, or only
     its released architecture while the run loads a preset), the floor of ``check_rollout_memory`` stands in.
     Returns the plan, or None when there is none."""
-    import logging
-
     from omnirl_core.errors import OmnirlError
     from omnirl_core.plan.planner import check_fits, load_sizing, plan_memory
 
@@ -109,7 +158,7 @@ def check_run_memory(resolved: Any, torch_device: str | None) -> Any:
         except Exception as exc:  # noqa: BLE001 - a plugin's planner that fails must not stop a run: the floor stands
             logging.getLogger("omnirl").warning("no memory plan for %s (%s: %s); checking the floor only",
                                                 resolved.model.name, type(exc).__name__, exc)
-    if sizing is None or sizing.preset != cfg.model.preset:
+    if sizing is None or sizing.preset != cfg.model.preset or not _plans_the_checkpoint(cfg.model.path, sizing):
         check_rollout_memory(cfg)
         return None
     memory, source = device_memory(torch_device)

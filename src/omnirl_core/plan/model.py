@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.plan.activations import DenoiserProbe
 from omnirl_core.plan.sizing import checkpoint_numel, component_counts, trainable_numel
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnirl_core.config import RunConfig
 
 
 @dataclass
@@ -20,8 +25,8 @@ class DecoderProbe:
     """The VAE decode of a rollout: ``build()`` the decoder module on meta; ``run(module, batch)`` decodes
     ``batch`` latents of the configured shape (meta tensors)."""
 
-    build: Callable[[], Any]
-    run: Callable[[Any, int], Any]
+    build: Callable[[], torch.nn.Module]
+    run: Callable[[Any, int], object]
     key: tuple[Any, ...] = ()
     """Everything the trace depends on; equal non-empty keys share it within a process."""
 
@@ -58,14 +63,14 @@ class ModelSizing:
     full-size model. A sizing function that knows the configured preset's architecture sets it."""
 
 
-def lora_settings(config: Any, default_targets: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+def lora_settings(config: RunConfig, default_targets: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
     """(rank or None for full fine-tuning, targets) from ``config.model.lora``."""
     lora = config.model.lora
     targets = tuple(lora.target_modules) if lora.target_modules else tuple(default_targets)
     return (lora.rank if lora.enabled else None), targets
 
 
-def model_dtype(config: Any) -> str:
+def model_dtype(config: RunConfig) -> str:
     """The weights' dtype: ``model.dtype``, with ``auto`` bfloat16 on an accelerator and float32 on the CPU."""
     dtype = config.model.dtype
     if dtype == "auto":
@@ -73,15 +78,15 @@ def model_dtype(config: Any) -> str:
     return dtype
 
 
-def torch_dtype(config: Any) -> Any:
+def torch_dtype(config: RunConfig) -> torch.dtype:
     """The torch dtype of the run's weights (``model.dtype``, ``auto`` resolved as the planner does)."""
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[model_dtype(config)]
 
 
-def vae_decoder(build: Callable[[], Any], latent_shape: tuple[int, ...], dtype: Any, key: tuple[Any, ...] = ()
-                ) -> DecoderProbe:
+def vae_decoder(build: Callable[[], torch.nn.Module], latent_shape: tuple[int, ...], dtype: torch.dtype,
+                key: tuple[Any, ...] = ()) -> DecoderProbe:
     """A ``DecoderProbe`` for a diffusers VAE: ``build()`` makes it (on meta, in ``dtype``); one decode of a
     ``(batch, *latent_shape)`` latent."""
     import torch
@@ -90,7 +95,7 @@ def vae_decoder(build: Callable[[], Any], latent_shape: tuple[int, ...], dtype: 
         torch.empty(batch, *latent_shape, device="meta", dtype=dtype), return_dict=False), key=key)
 
 
-def on_meta(make: Callable[[], Any], dtype: Any) -> Any:
+def on_meta(make: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
     """``make()``'s module built on the ``meta`` device (no storage) in ``dtype``: what a probe's ``build`` gives."""
     import torch
 
@@ -100,14 +105,15 @@ def on_meta(make: Callable[[], Any], dtype: Any) -> Any:
         return meta_cast(make(), dtype)
 
 
-def layers_builder(cls: Any, arch: dict[str, Any], dtype: Any, key: str = "num_layers") -> Callable[[int], Any]:
+def layers_builder(cls: Callable[..., torch.nn.Module], arch: dict[str, Any], dtype: torch.dtype,
+                   key: str = "num_layers") -> Callable[[int], torch.nn.Module]:
     """A probe's ``build`` for a module configured by keyword arguments: ``cls(**arch)`` with ``key`` (its layer
     count) set to the layers asked for, on ``meta`` in ``dtype``."""
     return lambda layers: on_meta(lambda: cls(**{**arch, key: layers}), dtype)
 
 
-def pipeline_sizing(config: Any, components: dict[str, Any], trained: tuple[str, ...],
-                    default_targets: tuple[str, ...], blocks: Iterable[Any], encoders: tuple[str, ...],
+def pipeline_sizing(config: RunConfig, components: dict[str, torch.nn.Module], trained: tuple[str, ...],
+                    default_targets: tuple[str, ...], blocks: Iterable[torch.nn.Module], encoders: tuple[str, ...],
                     probe: DenoiserProbe | None, decoder: DecoderProbe | None, preset: str | None = None
                     ) -> ModelSizing:
     """The ``ModelSizing`` of a pipeline of full-size ``components`` (on meta) that trains the ``trained`` ones:

@@ -18,10 +18,14 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.errors import ConfigError, PluginError
 from omnirl_core.plan.model import ModelSizing, model_dtype
+
+if TYPE_CHECKING:
+    from omnirl_core.config import RunConfig
+    from omnirl_core.resolve import ResolvedRun
 
 GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,6 +73,8 @@ class MemoryPlan:
     """Where ``device_memory`` comes from when not given (e.g. ``of RAM available now``), for the messages."""
     architecture: str = "released"
     """What the weights and activations are of: ``released`` (the full-size model) or the preset's name."""
+    shared: bool = False
+    """Every worker group's devices are one memory (the CPU: the host's), which holds them all at once."""
 
     @property
     def budget(self) -> int | None:
@@ -76,6 +82,9 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
+        """The largest total of one device; on a shared memory, of all of them together."""
+        if self.shared:
+            return sum(g.total * g.devices for g in self.groups)
         return max(g.total for g in self.groups)
 
     @property
@@ -113,9 +122,17 @@ class MemoryPlan:
                for line in lines]
         out.insert(1, "  ".join("-" * w for w in widths))
         verdict = ("fits" if self.fits else "DOES NOT FIT") if self.device_memory is not None else "no device size given"
-        out.append(f"{verdict}: largest {self.peak / GIB:.1f} GiB per device (weights {self.dtype})")
+        where = ("all worker groups together on one memory" if self.shared and self._several
+                 else f"largest {self.peak / GIB:.1f} GiB per device")
+        if self.shared and self._several:
+            where += f" {self.peak / GIB:.1f} GiB"
+        out.append(f"{verdict}: {where} (weights {self.dtype})")
         out += [f"note: {n}" for n in self.notes + [n for g in self.groups for n in g.notes]]
         return "\n".join(out)
+
+    @property
+    def _several(self) -> bool:
+        return sum(g.devices for g in self.groups) > 1
 
     @property
     def _source(self) -> str:
@@ -126,18 +143,24 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def rollout_batch_size(config: Any) -> int:
+def _amount(n: int) -> str:
+    """A device's memory for a message: whole GiB, or MiB below one GiB."""
+    return f"{n / GIB:.0f} GiB" if n >= GIB else f"{n / 2**20:.0f} MiB"
+
+
+def rollout_batch_size(config: RunConfig) -> int:
     """Requests in one rollout model call: the engine's ``max_num_seqs`` (diffusers) or ``max_batch_size``
     (transformers), 32 by default in both, and never more than a step's samples (or an evaluation's)."""
     options = config.rollout.options or {}
     cap = int(options.get("max_num_seqs", options.get("max_batch_size", 32)))
     samples = config.rollout.prompts_per_step * config.rollout.group_size
-    if config.run.eval_every is not None:
-        samples = max(samples, config.run.eval_prompts * config.run.eval_samples)
+    if config.run.eval_every is not None:  # run.eval_prompts None: every test prompt, a full call at most
+        run = config.run
+        samples = max(samples, cap if run.eval_prompts is None else run.eval_prompts * run.eval_samples)
     return max(1, min(cap, samples))
 
 
-def train_micro_batch(config: Any) -> int:
+def train_micro_batch(config: RunConfig) -> int:
     """Transitions in one training forward/backward call: ``train.micro_batch_size``, and never more than a
     minibatch holds (every step of a minibatch's samples: ``rollout.num_steps`` transitions per sample at most)."""
     samples = config.rollout.prompts_per_step * config.rollout.group_size
@@ -145,7 +168,7 @@ def train_micro_batch(config: Any) -> int:
     return max(1, min(config.train.micro_batch_size, per_minibatch))
 
 
-def load_sizing(resolved: Any) -> ModelSizing:
+def load_sizing(resolved: ResolvedRun) -> ModelSizing:
     spec = resolved.model
     ref = spec.sizing
     if ref is None:
@@ -159,7 +182,7 @@ def load_sizing(resolved: Any) -> ModelSizing:
     return load_object(ref)(resolved.config, resolved.options.get("model.options"))
 
 
-def _activation_bytes(sizing: ModelSizing, config: Any, dtype_bytes: int, checkpointing: bool
+def _activation_bytes(sizing: ModelSizing, config: RunConfig, dtype_bytes: int, checkpointing: bool
                       ) -> tuple[int, int]:
     """(training micro-batch peak, rollout call peak) of the trained network."""
     from omnirl_core.plan.activations import no_grad_peak, trace_activations, transformer_activation_bytes
@@ -180,7 +203,7 @@ def _activation_bytes(sizing: ModelSizing, config: Any, dtype_bytes: int, checkp
     return train + extra_train, rollout + extra_rollout
 
 
-def cfg_state(config: Any) -> str:
+def cfg_state(config: RunConfig) -> str:
     if config.rollout.guidance_scale <= 1.0:
         return "off"
     return "on, both branches with grad" if config.train.cfg_grad == "both" else "on"
@@ -189,7 +212,7 @@ def cfg_state(config: Any) -> str:
 _DECODES: dict[tuple[Any, ...], int] = {}
 
 
-def _decode_bytes(sizing: ModelSizing, config: Any) -> int:
+def _decode_bytes(sizing: ModelSizing, config: RunConfig) -> int:
     if sizing.decoder is None:
         return 0
     from omnirl_core.plan.activations import peak_live_bytes, stored
@@ -207,7 +230,7 @@ def _decode_bytes(sizing: ModelSizing, config: Any) -> int:
     return one * rollout_batch_size(config)  # a decode's intermediates grow with the batch: traced at batch 1
 
 
-def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSizing | None = None,
+def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing: ModelSizing | None = None,
                 suggest: bool = True, device_type: str | None = None, memory_source: str = "") -> MemoryPlan:
     """The plan of ``resolved`` (a ``ResolvedRun``); ``device_memory``: bytes per device (None: no verdict).
     ``device_type`` ``cpu``: the device's memory is the host's, which also holds a step's samples (their decoded
@@ -296,13 +319,13 @@ def plan_memory(resolved: Any, device_memory: int | None = None, sizing: ModelSi
     elif preset is not None:
         notes.insert(0, f"architecture: the preset '{preset}' this run loads (not the released model)")
     plan = MemoryPlan(groups, device_memory, dtype, notes, memory_source=memory_source,
-                      architecture=sizing.preset or "released")
+                      architecture=sizing.preset or "released", shared=device_type == "cpu")
     if suggest and device_memory is not None and not plan.fits:
         plan.fixes, plan.tried = _fixes(resolved, sizing, device_memory, device_type)
     return plan
 
 
-def _candidates(resolved: Any, sizing: ModelSizing, device_type: str | None = None
+def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | None = None
                 ) -> list[tuple[str, dict[str, Any]]]:
     """Single changes that lower memory, as (``--set`` text, patch of the config dump); on the CPU an offload to
     the host moves nothing."""
@@ -328,7 +351,7 @@ def _candidates(resolved: Any, sizing: ModelSizing, device_type: str | None = No
     if not sizing.lora:
         out.append(("model.lora.enabled=true", {"model": {"lora": {"enabled": True}}}))
     group = cfg.rollout.group_size
-    while group // 2 >= max(2, resolved.algorithm.min_group_size):
+    while group // 2 >= max(2, getattr(resolved.algorithm, "min_group_size", 2)):
         group //= 2
         out.append((f"rollout.group_size={group}", {"rollout": {"group_size": group}}))
     prompts = cfg.rollout.prompts_per_step
@@ -338,7 +361,7 @@ def _candidates(resolved: Any, sizing: ModelSizing, device_type: str | None = No
     return out
 
 
-def _fixes(resolved: Any, sizing: ModelSizing, device_memory: int, device_type: str | None = None
+def _fixes(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int, device_type: str | None = None
            ) -> tuple[list[tuple[str, int]], list[str]]:
     """Each candidate alone, then all of them together (one at a time in order until it fits); returns the
     changes that fit and every change tried."""
@@ -390,9 +413,11 @@ def check_fits(plan: MemoryPlan, where: str) -> None:
         return
     largest = max(plan.groups, key=lambda g: g.total)
     top = sorted(largest.rows.items(), key=lambda kv: -kv[1])[:4]
-    memory = f"{(plan.device_memory or 0) / GIB:.0f} GiB{plan._source}"
-    details = [f"  {largest.name}: {largest.total / GIB:.1f} GiB per device > budget {(plan.budget or 0) / GIB:.1f} "
-               f"GiB ({memory} less {HEADROOM:.0%} headroom); largest rows: "
+    memory = f"{_amount(plan.device_memory or 0)}{plan._source}"
+    label = (f"all worker groups together (on one memory): {plan.peak / GIB:.1f} GiB" if plan.shared and plan._several
+             else f"{largest.name}: {largest.total / GIB:.1f} GiB per device")
+    details = [f"  {label} > budget {(plan.budget or 0) / GIB:.1f} GiB ({memory} less {HEADROOM:.0%} headroom); "
+               f"largest rows{' of ' + largest.name if plan.shared and plan._several else ''}: "
                + ", ".join(f"{k} {v / GIB:.1f}" for k, v in top)]
     if plan.fixes:
         details += [f"  fits with --set {text}: {peak / GIB:.1f} GiB" if not text.startswith("--set")

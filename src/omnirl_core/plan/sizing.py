@@ -5,8 +5,12 @@ and call these; the arithmetic lives here once."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Published(NamedTuple):
@@ -25,7 +29,10 @@ def published_counts(package: str, name: str = "published.toml") -> dict[tuple[s
     stated, its ``resolution``, the ``source`` and optionally ``truncated``."""
     from importlib import resources
 
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
 
     text = resources.files(package).joinpath(name).read_text(encoding="utf-8")
     table: dict[tuple[str, str], Published] = {}
@@ -37,18 +44,19 @@ def published_counts(package: str, name: str = "published.toml") -> dict[tuple[s
     return table
 
 
-def checkpoint_numel(module: Any) -> int:
+def checkpoint_numel(module: torch.nn.Module) -> int:
     """Elements of the tensors a checkpoint of ``module`` holds: each parameter once, persistent buffers."""
     unique = {id(t): t for t in module.state_dict(keep_vars=True).values()}
     return sum(t.numel() for t in unique.values())
 
 
-def lora_numel(module: Any, targets: tuple[str, ...] | str, rank: int) -> int:
+def lora_numel(module: torch.nn.Module, targets: tuple[str, ...] | str, rank: int) -> int:
     """Parameters of rank-``rank`` LoRA adapters, rank x (in + out) per adapted linear layer. ``targets``: names
     (a module whose name is one or ends with "." + one, as peft picks them) or one regex matched against the
     whole module name."""
     import torch
 
+    picked: Callable[[str], object]
     if isinstance(targets, str):
         regex = re.compile(targets)
         picked = regex.fullmatch
@@ -73,8 +81,8 @@ def training_bytes(weights: dict[str, int], trainable: int, adapters: int, refer
     return out
 
 
-def trainable_numel(modules: Iterable[Any], lora_targets: tuple[str, ...] | str, lora_rank: int | None,
-                    skip: Iterable[Any] = ()) -> int:
+def trainable_numel(modules: Iterable[torch.nn.Module], lora_targets: tuple[str, ...] | str, lora_rank: int | None,
+                    skip: Iterable[torch.nn.Module] = ()) -> int:
     """Parameters training updates in ``modules``: their LoRA adapters, or (``lora_rank`` None) every parameter
     but those of the ``skip`` modules (frozen towers). Buffers are never trained."""
     modules = list(modules)
@@ -90,14 +98,14 @@ def check_variant(model: str, variant: str, variants: Sequence[str]) -> None:
         raise ValueError(f"unknown {model} variant {variant!r}; expected one of {tuple(variants)}")
 
 
-def component_counts(components: dict[str, Any]) -> dict[str, int]:
+def component_counts(components: dict[str, torch.nn.Module]) -> dict[str, int]:
     """``checkpoint_numel`` of every component of a pipeline, by component name."""
     return {name: checkpoint_numel(module) for name, module in components.items()}
 
 
-def pipeline_training_bytes(components: dict[str, Any], trained: Sequence[str], lora_targets: tuple[str, ...] | str,
-                            lora_rank: int | None, dtype_bytes: int, reference: bool,
-                            skip: Iterable[Any] = ()) -> dict[str, int]:
+def pipeline_training_bytes(components: dict[str, torch.nn.Module], trained: Sequence[str],
+                            lora_targets: tuple[str, ...] | str, lora_rank: int | None, dtype_bytes: int,
+                            reference: bool, skip: Iterable[torch.nn.Module] = ()) -> dict[str, int]:
     """``training_bytes`` of a pipeline of ``components`` that trains the ``trained`` ones: every component's
     weights; LoRA of ``lora_rank`` on ``lora_targets`` in each trained component (``lora_rank`` None: the trained
     components whole but the ``skip`` modules, their weights counted already); with full fine-tuning and a KL term

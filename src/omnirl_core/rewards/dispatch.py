@@ -18,13 +18,20 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omnirl_core.contracts import Reward, Sample, as_reward
 from omnirl_core.errors import OmnirlError
+
+if TYPE_CHECKING:
+    import queue
+
+    from omnirl_core.config import RewardEntry
+
+T = TypeVar("T")
 
 log = logging.getLogger("omnirl.rewards")
 
@@ -74,7 +81,7 @@ class DeadlineThreads:
         inbox.put((fn, future))
         return future
 
-    def _work(self, inbox: Any) -> None:
+    def _work(self, inbox: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
         import queue
 
         while True:
@@ -106,7 +113,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_DEADLINE_THREADS._forget)
 
 
-def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None) -> Any:
+def call_with_deadline(fn: Callable[[], T], timeout_s: float | None) -> T:
     """``fn()`` on a daemon thread (``DeadlineThreads``); past ``timeout_s`` it is abandoned (a thread cannot be
     killed: it is left to finish in the background, and never keeps the process alive) and RewardTimeout is
     raised."""
@@ -118,7 +125,7 @@ def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None) -> Any:
         raise RewardTimeout(f"no answer within {timeout_s:g} s (run.reward_timeout_s)") from None
 
 
-def check_scores(values: Any, count: int) -> list[float]:
+def check_scores(values: object, count: int) -> list[float]:
     """A reward's answer as floats: one finite real number per sample, or an error that says what is wrong."""
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
         raise TypeError(f"returned a {type(values).__name__}; expected a list of {count} numbers")
@@ -163,6 +170,7 @@ class RewardSet:
             return
         start = time.perf_counter()
         for reward in self.rewards:
+            values: list[float] | Exception
             try:
                 values = self._call(reward, samples)
             except Exception as exc:  # noqa: BLE001 - judged by _record
@@ -205,6 +213,7 @@ class RewardSet:
             return
         start = time.perf_counter()
         for reward in self.rewards:
+            values: list[float] | Exception
             try:
                 if reward.fn.asynchronous:
                     outputs, prompts, kwargs = self._arguments(reward, samples)
@@ -222,7 +231,7 @@ class RewardSet:
         total(samples, self.rewards)
         self.time_s += time.perf_counter() - start  # one event loop: no concurrent update
 
-    def _record(self, reward: RewardFn, samples: list[Sample], values: Any) -> None:
+    def _record(self, reward: RewardFn, samples: list[Sample], values: object) -> None:
         """A reward's answer (or the exception it raised) into the samples: checked scores, or the failure
         handling of a required (raise) or optional (warn, leave it out) reward."""
         try:
@@ -244,7 +253,7 @@ class RewardSet:
             sample.rewards[reward.name] = value
 
 
-def total(samples: list[Sample], rewards: Sequence[Any]) -> None:
+def total(samples: list[Sample], rewards: Sequence[RewardFn] | Sequence[RewardEntry]) -> None:
     """Each sample's reward: the weighted sum of the rewards it has."""
     for sample in samples:
         sample.reward = sum(r.weight * sample.rewards[r.name] for r in rewards if r.name in sample.rewards)
@@ -264,7 +273,7 @@ class RewardHealth:
     def load_state(self, state: dict[str, Any]) -> None:
         self.streaks = dict(state.get("failed_streaks", {}))
 
-    def settle(self, samples: list[Sample], entries: Sequence[Any], step: int) -> dict[str, float]:
+    def settle(self, samples: list[Sample], entries: Sequence[RewardEntry], step: int) -> dict[str, float]:
         groups: dict[int, list[Sample]] = {}
         for sample in samples:
             groups.setdefault(sample.request.group, []).append(sample)
@@ -336,8 +345,8 @@ class RewardPool:
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                     future.set_exception(exc)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         return future
 
@@ -390,7 +399,7 @@ class RewardStream:
             batch = [pending.popleft() for _ in range(min(share, len(pending)))]
         return self._timed_score(batch)
 
-    def run(self, stream: Any) -> tuple[list[Sample], RewardTiming]:
+    def run(self, stream: Iterable[Sample]) -> tuple[list[Sample], RewardTiming]:
         """Drain ``stream`` (an iterator of finished samples); returns (samples, timing)."""
         start = time.perf_counter()
         samples: list[Sample] = []

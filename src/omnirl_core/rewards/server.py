@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 from omnirl_core.rewards.dispatch import check_scores
 from omnirl_core.rewards.wire import CONTENT_TYPE, WireError, read_request
@@ -55,9 +55,14 @@ class BodyError(Exception):
         self.status = status
 
 
-def body_length(headers: Any, limit: int) -> int:
+HINT_413 = ("the server's --max-body-mb; send fewer samples per request (the remote reward's batch_size) or raise "
+            "it")
+
+
+def body_length(headers: Any, limit: int, hint: str = HINT_413) -> int:
     """The length of a request's body from its headers: one ``Content-Length`` of at most ``limit`` bytes;
-    raises BodyError (411 without one or with a chunked body, 400 for a malformed one, 413 over the limit)."""
+    raises BodyError (411 without one or with a chunked body, 400 for a malformed one, 413 over the limit, the
+    message ending with ``hint``)."""
     if headers.get("Transfer-Encoding") is not None:
         raise BodyError(411, "chunked bodies (Transfer-Encoding) are not accepted: send a Content-Length")
     values = {v.strip() for v in headers.get_all("Content-Length") or []}
@@ -70,8 +75,7 @@ def body_length(headers: Any, limit: int) -> int:
         raise BodyError(400, f"Content-Length {value[:40]!r} is not a number of bytes")
     length = int(value)
     if length > limit:
-        raise BodyError(413, f"a body of {length} bytes is over the {limit} byte limit (the server's "
-                             "--max-body-mb); send fewer samples per request (the remote reward's batch_size)")
+        raise BodyError(413, f"a body of {length} bytes is over the {limit} byte limit{f' ({hint})' if hint else ''}")
     return length
 
 
@@ -87,6 +91,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False  # close() must not wait for handlers that wait on a reward
+    request_queue_size = 128  # the listen backlog (socketserver's 5 made a burst of clients wait seconds to connect)
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int):
         if max_connections < 1:
@@ -274,7 +279,7 @@ class RewardServer:
         self.connections: set[Any] = set()
         self._connections_lock = threading.Lock()
         self.httpd = BoundedHTTPServer((host, port), self._handler(), max_connections)
-        self.host, self.port = self.httpd.server_address[:2]
+        self.host, self.port = cast("tuple[str, int]", self.httpd.server_address[:2])  # AF_INET: a str host
 
     @property
     def url(self) -> str:
@@ -313,6 +318,10 @@ class RewardServer:
             outputs, prompts, inputs = read_request(read_into, length)
         except WireError as exc:
             return 400, {"error": f"bad request: {exc}"}
+        except OSError:  # the connection: the handler closes it
+            raise
+        except Exception as exc:  # noqa: BLE001 - what the checks did not foresee is still the client's input
+            return 400, {"error": f"bad request: {type(exc).__name__}: {exc}"}
         if not prompts:
             return 200, {"scores": []}
         future = self.batcher.submit(outputs, prompts, inputs)

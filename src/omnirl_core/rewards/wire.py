@@ -25,7 +25,10 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 CONTENT_TYPE = "application/vnd.omnirl.score+safetensors"
 MAX_HEADER = 16 << 20  # prompts and records travel in the header: 16 MiB is thousands of long records
@@ -37,14 +40,14 @@ class WireError(ValueError):
     """A request or answer that does not follow the wire format."""
 
 
-def _dtypes() -> dict[str, Any]:
+def _dtypes() -> dict[str, torch.dtype]:
     import torch
 
     return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
 
 
-def _as_tensor(output: Any) -> Any:
+def _as_tensor(output: object) -> torch.Tensor:
     import torch
 
     x = output.detach() if isinstance(output, torch.Tensor) else torch.as_tensor(output)
@@ -59,7 +62,7 @@ class EncodedRequest:
             raise WireError(f"{len(outputs)} outputs for {len(prompts)} prompts")
         names = {dtype: name for name, dtype in _dtypes().items()}
         items: list[dict[str, Any]] = []
-        tensors: list[tuple[str, Any]] = []
+        tensors: list[tuple[str, torch.Tensor]] = []
         for i, output in enumerate(outputs):
             if isinstance(output, str):
                 items.append({"text": output})
@@ -94,13 +97,14 @@ class EncodedRequest:
         yield self.head
         for x in self.tensors:
             if x.numel():
-                yield memoryview(x.reshape(-1).view(_u8()).numpy())
+                # numpy's stubs declare an array's buffer protocol from Python 3.12 on
+                yield memoryview(x.reshape(-1).view(_u8()).numpy())  # type: ignore[arg-type, unused-ignore]
 
     def to_bytes(self) -> bytes:
         return b"".join(bytes(c) for c in self.chunks())
 
 
-def _u8() -> Any:
+def _u8() -> torch.dtype:
     import torch
 
     return torch.uint8
@@ -124,20 +128,21 @@ def _read_exactly(read_into: Callable[[memoryview], int], view: memoryview, what
         done += n
 
 
-def _sizes(value: Any) -> bool:
-    return isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+def _sizes(value: object) -> bool:
+    return isinstance(value, list) and all(type(d) is int and 0 <= d < 1 << 48 for d in value)
 
 
-def _tensor_entry(name: str, entry: Any, dtypes: dict[str, Any]) -> tuple[Any, tuple[int, ...], int, int]:
+def _tensor_entry(name: str, entry: object,
+                  dtypes: dict[str, torch.dtype]) -> tuple[torch.dtype, tuple[int, ...], int, int]:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise WireError(f"tensor {name!r}: expected 'dtype', 'shape' and 'data_offsets'")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in dtypes:
         raise WireError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(dtypes)}")
     if not _sizes(shape) or len(shape) > MAX_DIMS:
-        raise WireError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes >= 0")
+        raise WireError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes from 0 to 2**48")
     if not _sizes(offsets) or len(offsets) != 2:
-        raise WireError(f"tensor {name!r}: data_offsets must be [begin, end]")
+        raise WireError(f"tensor {name!r}: data_offsets must be [begin, end], from 0 to 2**48")
     begin, end = offsets
     size = math.prod(shape) * dtypes[dtype].itemsize
     if end - begin != size:
@@ -204,7 +209,8 @@ def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[l
 
     buffer = torch.empty(data, dtype=torch.uint8)
     if data:
-        _read_exactly(read_into, memoryview(buffer.numpy()), "the tensors")
+        _read_exactly(read_into, memoryview(buffer.numpy()),  # type: ignore[arg-type, unused-ignore]  # as above
+                      "the tensors")
     tensors = {}
     for name, (dtype, shape, begin, stop) in entries.items():
         piece = buffer[begin:stop]
@@ -213,10 +219,3 @@ def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[l
         tensors[name] = piece.view(dtype).reshape(shape)
     outputs = [tensors[item["tensor"]] if "tensor" in item else item["text"] for item in items]
     return outputs, prompts, inputs
-
-
-def decode_request(body: bytes) -> tuple[list[Any], list[str], list[Any] | None]:
-    """``read_request`` of a body held in memory."""
-    import io
-
-    return read_request(io.BytesIO(body).readinto, len(body))

@@ -5,10 +5,15 @@ Importing this package loads nothing heavy; ``clip`` and ``tiny_clip`` import to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.registry import RewardSpec
 
 
-def build_reward(name: str, options: dict[str, Any] | None = None, manager: Any = None) -> tuple[Any, Any]:
+def build_reward(name: str, options: dict[str, Any] | None = None,
+                 manager: PluginManager | None = None) -> tuple[Any, RewardSpec]:
     """(reward object, its RewardSpec) for an installed reward ``name`` and its options, validated as a run
     validates them (unknown keys are errors)."""
     from omnirl_core.config import validate_options

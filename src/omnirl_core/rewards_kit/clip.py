@@ -20,10 +20,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from omnirl_core.errors import UsageError
 from omnirl_core.rewards_kit.tiny_clip import tiny_clip_directory
@@ -101,7 +104,7 @@ def _not_found(label: str, path: str, option: str, missing: list[str], cause: Ex
 
 
 def from_pretrained(cls: Any, path: str, label: str, option: str, *, model: bool, processor: bool,
-                    **kwargs: Any) -> Any:
+                    **kwargs: object) -> Any:
     """``cls.from_pretrained`` for a local directory or a hub id, offline-safe, with an error that names the
     missing files and where they go."""
     if is_local(path):
@@ -163,7 +166,7 @@ def load_clip(path: str, processor_path: str | None, *, label: str, device: str 
     torch_device, torch_dtype = resolve_device(device), DTYPES[dtype]
     same = processor_path in (None, path)
     model = from_pretrained(CLIPModel, path, label, option, model=True, processor=same, dtype=torch_dtype)
-    processor = from_pretrained(CLIPProcessor, path if same else processor_path, label,
+    processor = from_pretrained(CLIPProcessor, path if same or processor_path is None else processor_path, label,
                                 option if same else processor_option, model=False, processor=True)
     model = model.to(torch_device).eval().requires_grad_(False)
     return Clip(model, processor, ClipPreprocessor.from_image_processor(processor.image_processor, resize_on),
@@ -191,7 +194,7 @@ def cosine(clip: Clip, outputs: Sequence[Any], texts: Sequence[str], batch_size:
     return (F.normalize(image, dim=-1) * text[index]).sum(dim=-1)
 
 
-def to_uint8(output: Any) -> torch.Tensor:
+def to_uint8(output: torch.Tensor | np.ndarray) -> torch.Tensor:
     """(3, H, W) in [0, 1] (tensor or array) -> (3, H, W) uint8, rounded like a saved 8-bit image."""
     x = output.detach() if isinstance(output, torch.Tensor) else torch.as_tensor(output)
     x = x.float().cpu()
@@ -316,7 +319,7 @@ class ClipPreprocessor:
             x = x[:, top:top + ch, left:left + cw]
         if self.rescale is not None and not torchvision:
             x = x * self.rescale
-        if self.mean is not None:
+        if self.mean is not None and self.std is not None:  # both, or neither (do_normalize)
             x = (x - self.mean) / self.std
         return x
 

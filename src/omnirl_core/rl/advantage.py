@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from omnirl_core.config import RewardEntry
+    from omnirl_core.contracts import Sample
 
 
 def group_advantages(
@@ -34,8 +38,8 @@ def group_advantages(
     return adv.float()
 
 
-def assign_group_advantages(samples: list[Any], *, global_std: bool, clip: float | None,
-                            rewards: Sequence[Any] = ()) -> torch.Tensor:
+def assign_group_advantages(samples: list[Sample], *, global_std: bool, clip: float | None,
+                            rewards: Sequence[RewardEntry] = ()) -> torch.Tensor:
     """``group_advantages`` of the samples' rewards, grouped by ``request.group``, written to each
     ``sample.advantage``; returns them (N,).
 

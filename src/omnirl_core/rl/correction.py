@@ -24,14 +24,19 @@ steps, the run switches to recompute mode (ALGORITHMS.md: fall back to recompute
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from omnirl_core.contracts import TrainingUnit
+    from omnirl_core.flow.policy_gradient import Transition
 
 DELTA_KEY = "is_delta"
 
 
-def record_deltas(units: list[Any], logp_train: torch.Tensor, overwrite: bool = True) -> torch.Tensor:
+def record_deltas(units: Sequence[Transition], logp_train: torch.Tensor, overwrite: bool = True) -> torch.Tensor:
     """Store delta = logp_train - logp_rollout per (sample, step); returns the deltas (N,).
 
     ``overwrite=False`` keeps a step's first recorded delta (bypass: later evaluations include updates)."""
@@ -44,7 +49,7 @@ def record_deltas(units: list[Any], logp_train: torch.Tensor, overwrite: bool = 
     return delta
 
 
-def sequence_log_weights(units: list[Any], aggregate: str = "mean") -> torch.Tensor:
+def sequence_log_weights(units: Sequence[Transition], aggregate: str = "mean") -> torch.Tensor:
     """log w of each unit's sample, from the deltas recorded on it so far: (N,)."""
     out = []
     for unit in units:
@@ -82,7 +87,7 @@ def step_diagnostics(delta: torch.Tensor) -> dict[str, float]:
     }
 
 
-def sequence_diagnostics(units: list[Any], log_w: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def sequence_diagnostics(units: Sequence[TrainingUnit], log_w: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Sequence weights (one per sample, not per step): mean / max, normalised effective sample size
     ESS / n = (sum w)^2 / (n sum w^2) in (0, 1], and the fraction of samples the RS mask rejects."""
     first: dict[int, int] = {}

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, ImageDraw, ImageFont
 
+if TYPE_CHECKING:
+    from pathlib import Path
 
-def to_pil(image: Any, min_side: int = 96) -> Image.Image:
+    import numpy as np
+    import torch
+
+
+def to_pil(image: torch.Tensor | np.ndarray | Image.Image, min_side: int = 96) -> Image.Image:
     """(3, H, W) in [0, 1] -> PIL, upscaled (nearest) so tiny images stay visible; video (3, F, H, W) ->
     a strip of its frames."""
     import numpy as np
@@ -17,7 +23,7 @@ def to_pil(image: Any, min_side: int = 96) -> Image.Image:
         arr = np.concatenate(list(arr.transpose(1, 0, 2, 3)), axis=-1)
     pil = Image.fromarray((arr.transpose(1, 2, 0).clip(0, 1) * 255).round().astype("uint8"))
     scale = max(1, min_side // max(1, min(pil.size)))
-    return pil.resize((pil.width * scale, pil.height * scale), Image.NEAREST) if scale > 1 else pil
+    return pil.resize((pil.width * scale, pil.height * scale), Image.Resampling.NEAREST) if scale > 1 else pil
 
 
 def image_grid(images: list[Any], prompts: list[str], columns: int) -> Image.Image:
@@ -36,12 +42,13 @@ def image_grid(images: list[Any], prompts: list[str], columns: int) -> Image.Ima
     return grid
 
 
-def is_video(output: Any) -> bool:
+def is_video(output: object) -> bool:
     """A decoded video is (3, F, H, W); an image is (3, H, W)."""
     return len(getattr(output, "shape", ())) == 4
 
 
-def video_grid_gif(videos: list[Any], prompts: list[str], columns: int, path: Any, fps: float = 8.0) -> None:
+def video_grid_gif(videos: list[torch.Tensor], prompts: list[str], columns: int, path: str | Path,
+                   fps: float = 8.0) -> None:
     """An animated GIF of the sample grid: frame f shows every video's f-th frame in its cell (a shorter
     video holds its last frame)."""
     frames = max(v.shape[1] for v in videos)

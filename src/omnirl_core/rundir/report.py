@@ -10,16 +10,17 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omnirl_core.errors import UsageError
 
 COLORS = ["#2f6fd0", "#d0542f", "#2e9e5b", "#8e44ad", "#c79a14", "#16a3b8", "#7f7f7f"]
 MAX_GRIDS = 16
 """Sample grids shown (evenly spaced over the run, the first and the last always)."""
+T = TypeVar("T")
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -131,7 +132,7 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], *, band
             out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="1.5"/>')
             if len(points) <= 30:
                 out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.2" fill="{color}"/>' for x, y in points]
-    lx = ml
+    lx: float = ml
     for i, name in enumerate(series):
         color = COLORS[i % len(COLORS)]
         out.append(f'<rect x="{lx}" y="{height - 14}" width="10" height="10" fill="{color}"/>'
@@ -157,7 +158,7 @@ def _data_url(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def _spaced(items: list[Any], count: int) -> list[Any]:
+def _spaced(items: list[T], count: int) -> list[T]:
     if len(items) <= count:
         return items
     picks = {round(i * (len(items) - 1) / (count - 1)) for i in range(count)}
@@ -196,7 +197,7 @@ def _evaluations(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
 def _eval_section(run_dir: Path) -> str:
     parts = []
     for directory, data in _evaluations(run_dir):
-        models = data.get("models", {})
+        models: dict[str, dict[str, Any]] = data.get("models", {})
         rows = []
         compare = data.get("compare") or {}
         metrics = next(iter(models.values()), {}).get("summary", {}).keys() if models else []

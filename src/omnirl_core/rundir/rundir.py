@@ -8,11 +8,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from omnirl_core.errors import ConfigError, UsageError
+
+if TYPE_CHECKING:
+    from PIL import Image
 from omnirl_core.rundir.checkpoint import write_atomic
 
 CONFIG_FILE = "config.yaml"
@@ -205,7 +208,7 @@ class RunDir:
         return path
 
 
-def _save_png(image: Any, path: Path) -> None:
+def _save_png(image: Image.Image, path: Path) -> None:
     import io
 
     buffer = io.BytesIO()

@@ -42,9 +42,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnirl_core.errors import UsageError
+
+if TYPE_CHECKING:
+    from omnirl_core.registry import ComponentSpec
 
 ENV_FILE = "environment.toml"
 MANIFEST = "omnirl-env.json"
@@ -89,7 +92,10 @@ def default_device() -> str:
 
 def parse_environment(text: str, name: str, device: str, source: str = "",
                       distributions: tuple[str, ...] = ()) -> EnvironmentSpec:
-    import tomllib
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
 
     data = tomllib.loads(text)
     known = {"description", "requirements", "remove", "no_deps", "post_install", "check", "variants", "env"}
@@ -129,7 +135,7 @@ def _distribution_of(package: str) -> str | None:
     return names[0] if names else None
 
 
-def _declaring(spec: Any) -> Path | None:
+def _declaring(spec: ComponentSpec) -> Path | None:
     """The environment.toml beside a component's factory module, if it has one."""
     directory = _module_dir(str(spec.factory).partition(":")[0])
     path = None if directory is None else directory / ENV_FILE

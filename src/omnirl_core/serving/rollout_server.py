@@ -36,12 +36,15 @@ import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnirl_core.contracts import RolloutEngine
+from omnirl_core.contracts import PolicyModel, RolloutEngine
 from omnirl_core.errors import OmnirlError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 READY = "OMNIRL_SERVER_READY"
 _READY_LINE = re.compile(READY + r" port=(\d+)")
@@ -85,7 +88,7 @@ def serve(handlers: dict[str, Handler], setup: Callable[[], None] | None = None,
     class _Handler(BaseHTTPRequestHandler):
         disable_nagle_algorithm = True  # TCP_NODELAY: headers and body are two writes (see reward_server)
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # the trainer's log stays clean
+        def log_message(self, fmt: str, *args: object) -> None:  # the trainer's log stays clean
             return
 
         def do_POST(self) -> None:
@@ -312,7 +315,8 @@ class ServedRolloutEngine(RolloutEngine):
     server_module = ""
     fallback = ""
 
-    def start_served(self, model: Any, options: ServedEngineOptions, device: Any, environment: str) -> None:
+    def start_served(self, model: PolicyModel, options: ServedEngineOptions, device: torch.device | str,
+                     environment: str) -> None:
         from omnirl_core.serving.envs import component_environment, environment_python
 
         self.model = model
@@ -360,7 +364,7 @@ class ServedRolloutEngine(RolloutEngine):
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
         return {"sync/seconds": seconds, "sync/mib": nbytes / 2**20, **stats}
 
-    def push_weights(self) -> tuple[dict[str, Any], dict[str, float]]:
+    def push_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Send the trained weights to ``self.server``; returns (the tensors sent, extra figures)."""
         raise NotImplementedError
 

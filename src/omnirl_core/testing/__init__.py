@@ -15,11 +15,25 @@ need no engine plugin.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from omnirl_core.ar.model import CausalLMPolicy
+    from omnirl_core.ar.sampling import SamplingParams
+    from omnirl_core.config import ModelSection
+    from omnirl_core.contracts import FlowModel, GenRequest, PolicyModel, RolloutPlan, Sample
+    from omnirl_core.plan.sizing import Published
+    from omnirl_core.serving.rollout_server import ServedRolloutEngine
+
+M = TypeVar("M", bound="PolicyModel")
 
 
-def check_flow_model(model: Any, height: int, width: int, num_frames: int | None = None,
+def check_flow_model(model: FlowModel, height: int, width: int, num_frames: int | None = None,
                      prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
     """The flow-model contract: shapes, fp32 velocities, a valid schedule, decoding to [0, 1], batch
     invariance of ``velocity`` (a sample's velocity does not depend on what shares its batch) and a
@@ -59,8 +73,8 @@ def check_flow_model(model: Any, height: int, width: int, num_frames: int | None
     assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
 
 
-def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, plan: Any,
-              guidance_scale: float, seed: int) -> list[Any]:
+def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, plan: RolloutPlan,
+              guidance_scale: float, seed: int) -> list[GenRequest]:
     from omnirl_core.contracts import GenRequest
 
     return [GenRequest(uid=i, prompt=p, prompt_index=i, group=i, seed=seed + 7 * i, height=height, width=width,
@@ -68,7 +82,7 @@ def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int |
             for i, p in enumerate(prompts)]
 
 
-def rollout(model: Any, requests: Sequence[Any], negative_prompt: str = " ") -> list[Any]:
+def rollout(model: FlowModel, requests: Sequence[GenRequest], negative_prompt: str = " ") -> list[Sample]:
     """The minimal rollout: all ``requests`` (one latent shape, one guidance scale) denoised together by the
     core's sampler, one ``velocity`` call per step, each request drawing its initial latent and its step noise
     from its own seeded generators (as the rollout engines do). Returns ``Sample`` objects with the trajectory,
@@ -109,7 +123,7 @@ def rollout(model: Any, requests: Sequence[Any], negative_prompt: str = " ") -> 
                    cond=conds[k], uncond=uncond) for k, r in enumerate(requests)]
 
 
-def trainable(model: Any, lora: bool = True, rank: int = 4) -> Any:
+def trainable(model: M, lora: bool = True, rank: int = 4) -> M:
     """``model`` set up as a run sets it up: a LoRA adapter of ``rank`` (or full fine-tuning) and a reference."""
     from omnirl_core.config import LoraConfig
 
@@ -117,7 +131,7 @@ def trainable(model: Any, lora: bool = True, rank: int = 4) -> Any:
     return model
 
 
-def render(pipe: Any, steps: int = 2, **kwargs: Any) -> Any:
+def render(pipe: Any, steps: int = 2, **kwargs: object) -> torch.Tensor:
     """One output of a diffusers pipeline for a fixed prompt and seed, as a tensor (images, or video frames)."""
     import torch
 
@@ -126,7 +140,7 @@ def render(pipe: Any, steps: int = 2, **kwargs: Any) -> Any:
     return out.frames if hasattr(out, "frames") else out.images
 
 
-def check_batch_invariance(model: Any, height: int, width: int, num_frames: int | None = None,
+def check_batch_invariance(model: FlowModel, height: int, width: int, num_frames: int | None = None,
                            prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
     """A sample's velocity does not depend on what shares its batch (other prompts of other lengths, other
     sigmas), to 1e-5: the rollout engines batch requests freely and the trainer re-batches transitions."""
@@ -146,7 +160,7 @@ def check_batch_invariance(model: Any, height: int, width: int, num_frames: int 
             assert err <= 1e-5, f"velocity of sample {i} changes with its batch by {err}"
 
 
-def check_logprob_consistency(model: Any, height: int, width: int, num_frames: int | None = None,
+def check_logprob_consistency(model: FlowModel, height: int, width: int, num_frames: int | None = None,
                               guidance_scale: float = 1.0, steps: int = 4, eta: float = 0.7,
                               prompts: Sequence[str] = ("a red square", "a red square", "a blue square, photo",
                                                         "a blue square, photo")) -> None:
@@ -181,8 +195,9 @@ def check_logprob_consistency(model: Any, height: int, width: int, num_frames: i
         p.grad = None
 
 
-def check_lora_roundtrip(model: Any, directory: Any, load_pipeline: Any, render: Any,
-                         load_lora: Any = None) -> None:
+def check_lora_roundtrip(model: FlowModel, directory: str | Path, load_pipeline: Callable[[], Any],
+                         render: Callable[[Any], torch.Tensor],
+                         load_lora: Callable[[Any, Path], object] | None = None) -> None:
     """The LoRA a run saves loads into the ecosystem's own pipeline: ``model`` (set up with LoRA) gets adapter
     weights moved off their zero init (a stand-in for training), ``save_trained(directory)``; then a fresh
     ``load_pipeline()`` renders differently after ``load_lora(pipe, directory)`` (default
@@ -216,10 +231,13 @@ def check_lora_roundtrip(model: Any, directory: Any, load_pipeline: Any, render:
             torch.testing.assert_close(loaded[key], value, msg=key)
 
 
-def check_model_plugin(build: Any, height: int, width: int, num_frames: int | None = None, *,
-                       guidance_scale: float = 1.0, directory: Any = None, load_pipeline: Any = None,
-                       render: Any = None, load_lora: Any = None, checkpointing: Any = None,
-                       blocks: Any = None, large_size: int | None = None) -> None:
+def check_model_plugin(build: Callable[..., FlowModel], height: int, width: int, num_frames: int | None = None, *,
+                       guidance_scale: float = 1.0, directory: str | Path | None = None,
+                       load_pipeline: Callable[[], Any] | None = None,
+                       render: Callable[[Any], torch.Tensor] | None = None,
+                       load_lora: Callable[[Any, Path], object] | None = None, checkpointing: object = None,
+                       blocks: Callable[[FlowModel], Sequence[torch.nn.Module]] | None = None,
+                       large_size: int | None = None) -> None:
     """Every suite a flow-model plugin's tests run, in one call. ``build(gradient_checkpointing=False)`` returns a
     fresh model of the plugin's tiny preset, set up for training with LoRA (``trainable``). Always:
     ``check_flow_model`` (contract, shapes, guidance, reference, decode; batch invariance) and
@@ -241,10 +259,11 @@ def check_model_plugin(build: Any, height: int, width: int, num_frames: int | No
             with torch.no_grad():
                 for p in model.trainable_parameters():
                     p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-        check_gradient_checkpointing(*pair, blocks, height, large_size, num_frames)
+        check_gradient_checkpointing(pair[0], pair[1], blocks, height, large_size, num_frames)
 
 
-def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
+def check_reward(reward: Callable[[Sequence[Any], Sequence[str]], Iterable[float]], outputs: Sequence[Any],
+                 prompts: Sequence[str]) -> list[float]:
     """A reward returns one finite float per sample and is deterministic."""
     import math
 
@@ -255,7 +274,7 @@ def check_reward(reward: Any, outputs: Sequence[Any], prompts: Sequence[str]) ->
     return first
 
 
-def check_ar_model(model: Any, requests: Sequence[Any]) -> None:
+def check_ar_model(model: CausalLMPolicy, requests: Sequence[GenRequest]) -> None:
     """The AR contract (``omnirl_core.ar``): prompts as long token ids, fp32 log-probs <= 0 of given
     completions that do not depend on what shares the batch, a reference policy, text decoding."""
     import torch
@@ -285,7 +304,7 @@ def check_ar_model(model: Any, requests: Sequence[Any]) -> None:
     assert model.trainable_parameters(), "no trainable parameters: call setup_training first"
 
 
-def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
+def ar_rollout(model: CausalLMPolicy, requests: Sequence[GenRequest], params: SamplingParams) -> list[Sample]:
     """The minimal AR sampling loop (``omnirl_core.ar.sampling``): each request on its own, its tokens drawn from
     ``sampling_logprobs`` of the last position's logits with its own generator (seeded ``request.seed``, as the
     rollout engines do) until a stop token or ``params.max_new_tokens``. Returns ``Sample`` objects with the
@@ -296,7 +315,7 @@ def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
     from omnirl_core.contracts import Sample
 
     out = []
-    head = model.module.get_output_embeddings()
+    head = model.module.get_output_embeddings()  # type: ignore[operator]  # a transformers model's method
     for request in requests:
         prompt = model.encode_prompt(request)
         generator = torch.Generator().manual_seed(request.seed)
@@ -320,21 +339,26 @@ def ar_rollout(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
     return out
 
 
-def check_ar_logprob_consistency(model: Any, requests: Sequence[Any], params: Any) -> list[Any]:
+def check_ar_logprob_consistency(model: CausalLMPolicy, requests: Sequence[GenRequest],
+                                 params: SamplingParams) -> list[Sample]:
     """Rollout and trainer compute the same numbers for an AR model: completions sampled by ``ar_rollout`` are
     re-scored by ``model.token_logprobs`` in micro-batches that mix the requests unlike the rollout (as the
     trainer does) and every token's log-prob equals the sampled one to 1e-5; returns the samples."""
     import torch
 
+    from omnirl_core.ar.sampling import completion_tokens
+
     samples = ar_rollout(model, requests, params)
-    assert all(len(s.logprobs) >= 1 and bool(torch.isfinite(s.logprobs).all()) for s in samples)
+    assert all(s.logprobs is not None and s.prompt_tokens is not None and len(s.logprobs) >= 1
+               and bool(torch.isfinite(s.logprobs).all()) for s in samples)
     order = list(range(0, len(samples), 2)) + list(range(1, len(samples), 2))
     with torch.no_grad():
         for start in range(0, len(order), 3):
             chunk = [samples[i] for i in order[start:start + 3]]
-            rescored = model.token_logprobs([s.prompt_tokens for s in chunk],
-                                            [s.completion for s in chunk], [params] * len(chunk))
+            rescored = model.token_logprobs([s.prompt_tokens for s in chunk if s.prompt_tokens is not None],
+                                            [completion_tokens(s) for s in chunk], [params] * len(chunk))
             for s, lp in zip(chunk, rescored):
+                assert s.logprobs is not None
                 err = (lp.float().cpu() - s.logprobs).abs().max().item()
                 assert err < 1e-5, f"trainer log-probs differ from the sampled ones by {err}"
     return samples
@@ -400,7 +424,7 @@ def installed_algorithms() -> set[str]:
     return {a["name"] for a in json.loads(out.stdout)}
 
 
-def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, Any]]:
+def run_train(run_dir: str | Path, *args: str, timeout: int = 600) -> list[dict[str, Any]]:
     """Drive the real ``omnirl train`` console script into ``run_dir`` (an end-to-end test); asserts it exits
     0 and returns the run's metrics records."""
     import json
@@ -413,7 +437,7 @@ def run_train(run_dir: Any, *args: str, timeout: int = 600) -> list[dict[str, An
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def reward_rise(run_dir: Any, key: str = "reward/mean", window: int = 10) -> tuple[float, float, float]:
+def reward_rise(run_dir: str | Path, key: str = "reward/mean", window: int = 10) -> tuple[float, float, float]:
     """(mean of the first ``window`` steps, mean of the last ``window``, standard error of their difference)
     of a metric in a run directory's metrics.jsonl."""
     import json
@@ -427,7 +451,7 @@ def reward_rise(run_dir: Any, key: str = "reward/mean", window: int = 10) -> tup
     return statistics.fmean(first), statistics.fmean(last), se
 
 
-def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model: str,
+def check_reward_rises(run_dir: str | Path, reward: str, steps: int, *args: str, model: str,
                        algo: str) -> tuple[float, float, float]:
     """A reward plugin's end-to-end check: ``omnirl train --model model --algo algo`` on the model's tiny preset
     with ``--reward reward``
@@ -444,7 +468,7 @@ def check_reward_rises(run_dir: Any, reward: str, steps: int, *args: str, model:
     return first, last, se
 
 
-def check_reward_in_a_run(run_dir: Any, reward: str, *args: str, model: str, algo: str,
+def check_reward_in_a_run(run_dir: str | Path, reward: str, *args: str, model: str, algo: str,
                           steps: int = 2) -> list[dict[str, Any]]:
     """A reward plugin's end-to-end wiring: ``omnirl train`` on the model's tiny preset with ``--reward reward``
     for ``steps`` steps through the real CLI. Every step has its row with a finite ``reward/<reward>``, and the
@@ -461,8 +485,8 @@ def check_reward_in_a_run(run_dir: Any, reward: str, *args: str, model: str, alg
     return rows
 
 
-def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None,
-             guidance_scale: float | None = None) -> Any:
+def sde_loss(model: FlowModel, height: int, width: int, num_frames: int | None = None,
+             guidance_scale: float | None = None) -> torch.Tensor:
     """The Flow-SDE log-prob of a fixed pair of transitions under ``model`` (what every policy-gradient loss is
     made of), as a scalar loss with grad: for gradient-checkpointing and memory checks. With ``guidance_scale``,
     the velocity is guided against the prompt " " (CFG on)."""
@@ -483,7 +507,8 @@ def sde_loss(model: Any, height: int, width: int, num_frames: int | None = None,
     return -transition_logprob("sde", x_next, mean, std).mean()
 
 
-def checkpointing_pair(create_model: Any, section: Any, options: Any, device: str = "cpu") -> dict[bool, Any]:
+def checkpointing_pair(create_model: Callable[[ModelSection, Any, str], FlowModel], section: ModelSection,
+                       options: Callable[[bool], Any], device: str = "cpu") -> dict[bool, FlowModel]:
     """A model plugin's model built twice from ``section``, without and with gradient checkpointing
     (``options(checkpointing)`` gives its options), each with the same non-zero adapter (``with_same_adapter``):
     the pair ``check_checkpointed_gradients`` and ``check_checkpointing_keeps_fewer_activations`` compare, by
@@ -491,7 +516,7 @@ def checkpointing_pair(create_model: Any, section: Any, options: Any, device: st
     return {c: with_same_adapter(create_model(section, options(c), device)) for c in (False, True)}
 
 
-def with_same_adapter(model: Any, seed: int = 0) -> Any:
+def with_same_adapter(model: M, seed: int = 0) -> M:
     """``model`` set up to train a rank-4 LoRA (no reference), the adapter filled with the same non-zero weights
     (0.05 N(0, 1) from ``seed``) as every model built alike: two such models, with and without gradient
     checkpointing, then give every LoRA matrix a gradient to compare."""
@@ -507,13 +532,13 @@ def with_same_adapter(model: Any, seed: int = 0) -> Any:
     return model
 
 
-def check_checkpointing_flags(model: Any, on: bool) -> None:
+def check_checkpointing_flags(model: PolicyModel, on: bool) -> None:
     """Every trained module of ``model`` has gradient checkpointing ``on`` (its ``gradient_checkpointing``)."""
     flags = {name: getattr(m, "gradient_checkpointing", None) for name, m in model.trained_modules().items()}
     assert all(flag == on for flag in flags.values()), f"gradient_checkpointing {flags}, expected {on}"
 
 
-def check_checkpointed_gradients(plain: Any, checkpointed: Any, size: int, num_frames: int | None = None,
+def check_checkpointed_gradients(plain: FlowModel, checkpointed: FlowModel, size: int, num_frames: int | None = None,
                                  guidance_scale: float | None = None, min_nonzero: float = 0.75) -> None:
     """Two models alike but for gradient checkpointing (``with_same_adapter``), which is off in every trained
     module of ``plain`` and on in ``checkpointed``'s: the same ``sde_loss`` at ``size`` and the same gradients
@@ -541,20 +566,23 @@ def check_checkpointed_gradients(plain: Any, checkpointed: Any, size: int, num_f
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"trainable parameter {k}")
 
 
-def check_checkpointing_keeps_fewer_activations(plain: Any, checkpointed: Any, blocks: Any, size: int,
+def check_checkpointing_keeps_fewer_activations(plain: FlowModel, checkpointed: FlowModel,
+                                                blocks: Callable[[FlowModel], Sequence[torch.nn.Module]], size: int,
                                                 num_frames: int | None = None,
                                                 guidance_scale: float | None = None) -> None:
     """The checkpointed model keeps fewer than half the bytes for the backward pass of ``sde_loss`` at ``size``
     (``kept_for_backward_bytes`` over ``blocks(model)``, the checkpointed blocks)."""
     check_checkpointing_flags(plain, False)
     check_checkpointing_flags(checkpointed, True)
-    kept = [kept_for_backward_bytes(
+    kept = [kept_for_backward_bytes(  # mypy cannot type the lambda's default argument
         list(m.trained_modules().values()), blocks(m),
-        lambda m=m: sde_loss(m, size, size, num_frames, guidance_scale).backward()) for m in (plain, checkpointed)]
+        lambda m=m: sde_loss(m, size, size, num_frames, guidance_scale).backward())  # type: ignore[misc, unused-ignore]
+        for m in (plain, checkpointed)]
     assert kept[1] < 0.5 * kept[0], kept
 
 
-def check_gradient_checkpointing(plain: Any, checkpointed: Any, blocks: Any, size: int, large_size: int,
+def check_gradient_checkpointing(plain: FlowModel, checkpointed: FlowModel,
+                                 blocks: Callable[[FlowModel], Sequence[torch.nn.Module]], size: int, large_size: int,
                                  num_frames: int | None = None) -> None:
     """Two models alike but for gradient checkpointing (set up for training, the same non-zero adapter): the
     same loss and gradients (1e-5), and at ``large_size`` fewer than half the bytes kept for the backward pass
@@ -563,7 +591,8 @@ def check_gradient_checkpointing(plain: Any, checkpointed: Any, blocks: Any, siz
     check_checkpointing_keeps_fewer_activations(plain, checkpointed, blocks, large_size, num_frames)
 
 
-def check_checkpointing_lowers_peak_gpu_memory(build: Any, size: int, num_frames: int | None = None) -> None:
+def check_checkpointing_lowers_peak_gpu_memory(build: Callable[[bool], FlowModel], size: int,
+                                               num_frames: int | None = None) -> None:
     """``build(checkpointing)`` on a CUDA device, without and with gradient checkpointing: the backward pass of
     ``sde_loss`` at ``size`` peaks lower with it (``torch.cuda.max_memory_allocated``)."""
     import torch
@@ -583,7 +612,7 @@ def check_checkpointing_lowers_peak_gpu_memory(build: Any, size: int, num_frames
     assert peaks[True] < peaks[False], peaks
 
 
-def matches_published(count: int, published: Any) -> bool:
+def matches_published(count: int, published: Published) -> bool:
     """A parameter count against a published figure (``omnirl_core.plan.sizing.Published``): within 1 %, or within
     the figure's own rounding when that is coarser (a truncated figure: the count lies in [value, value +
     resolution))."""
@@ -592,13 +621,13 @@ def matches_published(count: int, published: Any) -> bool:
     return abs(count - published.value) <= max(0.01 * published.value, published.resolution / 2)
 
 
-def check_matches_published(count: int, published: Any, what: str) -> None:
+def check_matches_published(count: int, published: Published, what: str) -> None:
     """``matches_published``, or an AssertionError naming ``what``, both figures and the figure's source."""
     assert matches_published(count, published), (
         f"{what}: {count:,} vs published {published.value:,.0f} ({published.source})")
 
 
-def check_lora_numel(module: Any, targets: tuple[str, ...] | str, rank: int = 8) -> int:
+def check_lora_numel(module: torch.nn.Module, targets: tuple[str, ...] | str, rank: int = 8) -> int:
     """``omnirl_core.plan.sizing.lora_numel`` against what peft adds to ``module`` (``inject_adapter_in_model``,
     which diffusers' ``add_adapter`` calls) for the same ``targets`` and ``rank``: equal and non-zero. Returns
     the count. A full-width module of two or three blocks on meta keeps it quick."""
@@ -614,7 +643,7 @@ def check_lora_numel(module: Any, targets: tuple[str, ...] | str, rank: int = 8)
     return expected
 
 
-def build_on_meta(build: Any, variants: Sequence[str] | None = None) -> Any:
+def build_on_meta(build: Callable[..., dict[str, torch.nn.Module]], variants: Sequence[str] | None = None) -> Any:
     """(``build()``'s modules, the seconds it took, MiB the process grew by) for a full-size build on the meta
     device, diffusers and transformers imported first (imports are not what is measured); with ``variants``, a
     dict of them, one per ``build(variant)``."""
@@ -635,7 +664,7 @@ def build_on_meta(build: Any, variants: Sequence[str] | None = None) -> Any:
     return components, seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
 
 
-def check_on_meta(components: dict[str, Any], seconds: float, grown_mib: float, max_seconds: float = 30,
+def check_on_meta(components: dict[str, torch.nn.Module], seconds: float, grown_mib: float, max_seconds: float = 30,
                   max_mib: float = 512) -> None:
     """Every tensor of every module is on ``meta`` (no storage), the build took seconds and grew the process by
     bookkeeping only (a full-size model in fp32 would be tens of GB)."""
@@ -646,7 +675,8 @@ def check_on_meta(components: dict[str, Any], seconds: float, grown_mib: float, 
     assert grown_mib < max_mib, f"the process grew by {grown_mib:.0f} MiB"
 
 
-def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: Any) -> int:
+def kept_for_backward_bytes(modules: Sequence[torch.nn.Module], blocks: Sequence[torch.nn.Module],
+                            run: Callable[[], object]) -> int:
     """Bytes ``run()``'s forward pass keeps alive for the backward pass, parameters of ``modules`` excluded,
     each storage once: the tensors autograd saves outside checkpointed regions plus the inputs of every one of
     ``blocks`` (a gradient checkpoint keeps them to recompute the block). CPU torch has no allocator
@@ -654,19 +684,23 @@ def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: 
     import torch
 
     params = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-    kept: dict[int, Any] = {}
+    kept: dict[int, torch.Tensor] = {}
 
-    def keep(t: Any) -> None:
+    def keep(t: object) -> None:
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
             kept[t.untyped_storage().data_ptr()] = t
 
-    def pre_hook(module: Any, args: Any, kwargs: Any) -> None:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        keep(t)
+        return t
+
+    def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for value in (*args, *kwargs.values()):
             keep(value)
 
     handles = [b.register_forward_pre_hook(pre_hook, with_kwargs=True) for b in blocks]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             run()
     finally:
         for handle in handles:
@@ -674,7 +708,7 @@ def kept_for_backward_bytes(modules: Sequence[Any], blocks: Sequence[Any], run: 
     return sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
-def perturb_trainable(model: Any, seed: int, scale: float) -> None:
+def perturb_trainable(model: PolicyModel, seed: int, scale: float) -> None:
     """An update as an optimizer step makes it: in place (torch's version counters move), every trainable
     tensor (a LoRA's B included, which starts at zero)."""
     import torch
@@ -685,7 +719,9 @@ def perturb_trainable(model: Any, seed: int, scale: float) -> None:
             p.add_(scale * torch.randn(p.shape, generator=g))
 
 
-def check_weight_update_reaches_engine(model: Any, make_engine: Any, requests: Any, delta: Any, sync: str,
+def check_weight_update_reaches_engine(model: PolicyModel, make_engine: Callable[..., ServedRolloutEngine],
+                                       requests: list[GenRequest],
+                                       delta: Callable[[PolicyModel, list[Sample]], float], sync: str,
                                        seed: int, scale: float, tolerance: float = 1e-5) -> None:
     """For a rollout engine with weight sync: after an update, the next rollout's log-probs agree with the
     trainer's (``delta(model, samples)``) only if the weights were synced (``make_engine(weight_sync=...)``).

@@ -13,10 +13,14 @@ loss, metrics that are numbers, a weight change) and returns the step's metrics.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omnirl_core.config import RunConfig
+    from omnirl_core.contracts import Sample
 
 
-def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: int = 16, num_steps: int = 3,
+def check_algorithm_step(build: Callable[[RunConfig], object], height: int = 16, width: int = 16, num_steps: int = 3,
                          groups: int = 2, group_size: int = 4, lr: float = 1e-3) -> dict[str, float]:
     import torch
 
@@ -42,7 +46,7 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
             request.uid, request.group = g * group_size + k, g
             requests.append(request)
     samples = rollout(model, requests)
-    held: dict[int, Any] = {}
+    held: dict[int, Sample] = {}
     if not controller.controller_reads_trajectory:
         # as a colocated Ray worker runs it: the controller's side gets each sample without its trajectory, and
         # the worker puts its own back into the units (omnirl_core.loop.ray_executor)
@@ -53,6 +57,7 @@ def check_algorithm_step(build: Callable[[Any], Any], height: int = 16, width: i
         for key, s in enumerate(samples):
             s.extras[HELD_KEY] = key
     for s in samples:
+        assert isinstance(s.output, torch.Tensor)
         s.reward = float(s.output.mean())
         s.rewards = {"brightness": s.reward}
     try:

@@ -108,7 +108,7 @@ def _same_conditioning(stored: Any, fresh: Any, what: str) -> None:
             assert bool((longer[:, n:] == 0).all()), f"{what}: '{key}' differs beyond the shorter one's positions"
             a, b = a[:, :n], b[:, :n]
         assert a.shape == b.shape, f"{what}: '{key}' has shape {tuple(a.shape)}, the prompt's is {tuple(b.shape)}"
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{what}: '{key}': {m}")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{what}: '{key}': {m}")  # type: ignore[misc, unused-ignore]  # mypy: lambda default
 
 
 def _flow_requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, num_steps: int,
@@ -173,7 +173,7 @@ def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height
         schedule = r.plan.sigmas_from(model.sigmas(r.plan.schedule_steps, shape)).float().cpu()
         assert sigmas.dtype == torch.float32 and tuple(sigmas.shape) == (r.plan.num_steps + 1,), f"{what}: {sigmas}"
         torch.testing.assert_close(sigmas.cpu(), schedule, atol=1e-6, rtol=0,
-                                   msg=lambda m, what=what: f"{what}: not the model's schedule: {m}")
+                                   msg=lambda m, what=what: f"{what}: not the model's schedule: {m}")  # type: ignore[misc, unused-ignore]  # mypy: lambda default
         assert tuple(logprobs.shape) == (r.plan.num_steps,), f"{what}: log-probs of shape {tuple(logprobs.shape)}"
         for j, kind in enumerate(r.plan.step_kinds):
             value = float(logprobs[j])
@@ -189,12 +189,12 @@ def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height
             _same_conditioning(s.uncond, model.encode([model.negative_prompt]), f"{what}: uncond")
         decoded = model.decode(latents[-1:].to(model.device))[0].float().cpu()
         torch.testing.assert_close(out.float().cpu(), decoded, atol=1e-4, rtol=0,
-                                   msg=lambda m, what=what: f"{what}: the output is not its final latent decoded: {m}")
+                                   msg=lambda m, what=what: f"{what}: the output is not its final latent decoded: {m}")  # type: ignore[misc, unused-ignore]  # mypy: lambda default
 
     for uid, s in again.items():  # the same request again, in other company: the same sample
         first = samples[uid]
         torch.testing.assert_close(s.latents, first.latents, atol=1e-5, rtol=0,
-                                   msg=lambda m, uid=uid: f"sample {uid} generated twice differs: {m}")
+                                   msg=lambda m, uid=uid: f"sample {uid} generated twice differs: {m}")  # type: ignore[misc, unused-ignore]  # mypy: lambda default
         assert torch.equal(s.logprobs.isnan(), first.logprobs.isnan())
         torch.testing.assert_close(s.logprobs.nan_to_num(), first.logprobs.nan_to_num(), atol=logprob_atol, rtol=0)
         torch.testing.assert_close(s.output, first.output, atol=1e-4, rtol=0)
@@ -311,9 +311,9 @@ def _assert_same_state(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
     import torch
 
     assert a.keys() == b.keys(), f"{what}: other keys: {sorted(set(a) ^ set(b))[:5]}"
-    for key in a:
-        assert torch.equal(a[key], b[key]), \
-            f"{what}: '{key}' differs by {float((a[key].float() - b[key].float()).abs().max())}"
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), \
+            f"{what}: '{key}' differs by {float((value.float() - b[key].float()).abs().max())}"
 
 
 def _optimizer_tensors(optimizer: Any) -> dict[str, Any]:
@@ -373,6 +373,7 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
                 requests.append(request)
         samples = rollout(model, requests)
         for s in samples:
+            assert isinstance(s.output, torch.Tensor)
             s.reward = float(s.output.mean())
             s.rewards = {"brightness": s.reward}
         controller.assign_advantages(samples)

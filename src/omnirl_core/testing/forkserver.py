@@ -120,6 +120,7 @@ class _Server:
                                      env=server_env, cwd=self.directory, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=log)
         log.close()
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if line.strip() != b"ready":
             self.proc.kill()
@@ -141,6 +142,7 @@ class _Server:
                 try:
                     line = lines.next()
                 except TimeoutError:
+                    assert timeout is not None  # no deadline: the socket blocks
                     os.kill(pid, signal.SIGKILL)
                     conn.settimeout(60)
                     lines.next()
@@ -185,7 +187,11 @@ def _text(path: str) -> str:
     return data.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
-def _key(env: dict[str, str]) -> Any:
+ServerKey = tuple[tuple[tuple[str, str], ...], tuple[tuple[str, float], ...]]
+"""What a server must share with a command (``_key``)."""
+
+
+def _key(env: dict[str, str]) -> ServerKey:
     """What a server must share with a command: the environment (but ``RUNTIME_KEYS``) and the install."""
     return tuple(sorted((k, v) for k, v in env.items() if k not in RUNTIME_KEYS)), _site_state()
 
@@ -200,16 +206,16 @@ def _site_state() -> tuple[tuple[str, float], ...]:
 
 
 class _Servers:
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.servers: OrderedDict[Any, _Server] = OrderedDict()
-        self.spent: dict[Any, float] = {}
+        self.servers: OrderedDict[ServerKey, _Server] = OrderedDict()
+        self.spent: dict[ServerKey, float] = {}
 
-    def charge(self, key: Any, seconds: float) -> None:
+    def charge(self, key: ServerKey, seconds: float) -> None:
         with self.lock:
             self.spent[key] = self.spent.get(key, 0.0) + seconds
 
-    def get(self, key: Any, env: dict[str, str], eager: bool = False) -> _Server | None:
+    def get(self, key: ServerKey, env: dict[str, str], eager: bool = False) -> _Server | None:
         """The server for ``env``; None (run a plain subprocess) while the environment's plain commands have
         taken less than ``START_AFTER_S``, unless ``eager``."""
         with self.lock:
@@ -317,13 +323,13 @@ def serve(socket_path: str) -> dict[str, Any]:
                 break
             if pid == 0:
                 break
-            conn = owners.pop(pid, None)
-            if conn is not None:
+            owner = owners.pop(pid, None)
+            if owner is not None:
                 try:
-                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                    owner.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
                 except OSError:
                     pass
-                conn.close()
+                owner.close()
         if os.getppid() != parent:  # the test session is gone
             os._exit(0)
 
@@ -356,7 +362,8 @@ def _main() -> None:
         from omnirl_cli.main import run
 
         sys.argv[0] = re.sub(r"(-script\.pyw|\.exe)?$", "", sys.argv[0])  # as the console script does
-        sys.exit(run())
+        run()
+        sys.exit()
     import runpy
 
     runpy.run_path(sys.argv[0], run_name="__main__")

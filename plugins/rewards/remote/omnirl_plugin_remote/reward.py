@@ -105,7 +105,7 @@ class RemoteReward(Reward):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(headers=headers, follow_redirects=False,
                                    timeout=httpx.Timeout(o.timeout_s, connect=o.connect_timeout_s))
-        _QUIET.urls.add(str(httpx.URL(self.url)))
+        _QUIET.urls.add(str(httpx.URL(self.url + "/")))
         if _QUIET not in logging.getLogger("httpx").filters:
             logging.getLogger("httpx").addFilter(_QUIET)
         try:

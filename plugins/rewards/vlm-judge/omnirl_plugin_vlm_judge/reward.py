@@ -104,8 +104,8 @@ def _shut(loop: asyncio.AbstractEventLoop, client: aiohttp.ClientSession, thread
     if not loop.is_closed() and thread.is_alive():
         try:
             asyncio.run_coroutine_threadsafe(client.close(), loop).result(timeout=5)
-        except Exception:  # noqa: BLE001 - closing is best effort; the loop still stops
-            pass
+        except Exception as exc:  # noqa: BLE001 - closing is best effort; the loop still stops
+            log.debug("vlm-judge: closing the HTTP session failed: %s", exc)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
     if not thread.is_alive():

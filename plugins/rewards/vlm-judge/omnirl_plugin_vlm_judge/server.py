@@ -23,7 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from omnirl_core.rewards.server import BodyError, BoundedHTTPServer, body_length
+
 MAX_REQUEST_BYTES = 64 << 20
+MAX_CONNECTIONS = 512  # the benchmarks keep hundreds of requests in flight
 
 
 def brightness(data_url: str) -> float:
@@ -67,6 +70,7 @@ def make_server(port: int = 0, latency_s: float = 0.0, api_key: str | None = Non
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the client's connection pool is used as with vLLM
         disable_nagle_algorithm = True  # TCP_NODELAY: else every reply's body waits 40 ms for the delayed ACK
+        timeout = 60.0  # an idle connection is closed
 
         def log_message(self, *args: Any) -> None:  # quiet
             pass
@@ -91,10 +95,11 @@ def make_server(port: int = 0, latency_s: float = 0.0, api_key: str | None = Non
         def do_POST(self) -> None:
             with lock:
                 state["requests"] += 1
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_REQUEST_BYTES:
+            try:  # the reward server's rules: one Content-Length, not negative, within the limit
+                length = body_length(self.headers, MAX_REQUEST_BYTES, "")
+            except BodyError as exc:
                 self.close_connection = True
-                self._error(413, "request too large")
+                self._error(exc.status, str(exc))
                 return
             data = self.rfile.read(length)
             if not self.path.rstrip("/").endswith("/chat/completions"):
@@ -112,8 +117,7 @@ def make_server(port: int = 0, latency_s: float = 0.0, api_key: str | None = Non
             time.sleep(latency_s)
             self._reply(200, completion(str(request.get("model", "stand-in")), score, bool(request.get("logprobs"))))
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    server = BoundedHTTPServer((host, port), Handler, MAX_CONNECTIONS)
     server.state = state  # type: ignore[attr-defined]
     return server
 

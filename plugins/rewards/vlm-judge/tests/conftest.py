@@ -4,8 +4,9 @@ Modes (``judge.mode``): ok, slow (``latency_s``), fail-then-ok (``fail_first`` r
 always-500 (their bodies quote the Authorization header back), garbage (not JSON), malformed (JSON without choices), no-choices, two-choices, trickle (a 200
 whose body comes one byte every ``trickle_s``), trickle-headers (the status line itself trickles), redirect
 (302 to ``location``), huge (a 50 MB body, streamed until the client hangs up), huge-declared (the same with
-Content-Length), echo (401 whose body quotes the Authorization header back), echo-reply (a 200 whose content
-quotes it). It records each request's Authorization header and JSON body.
+Content-Length), echo (401 whose body quotes the Authorization header back, passed through ``echo``: raw by
+default, or encoded as the test chooses), echo-raw (a 401 whose whole body is ``echo(header)``), echo-reply (a 200 whose content quotes it). It records each request's
+Authorization header and JSON body.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -37,6 +39,7 @@ class FaultJudge:
         self.fail_status = 500
         self.trickle_s = 1.5
         self.location = ""
+        self.echo: Callable[[str], str] = lambda auth: auth
         self.requests: list[dict[str, Any]] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -136,9 +139,11 @@ class FaultJudge:
                     self.end_headers()
                     self._stream(HUGE, b"[" * 65536)
                 elif mode == "echo":
-                    self._json(401, {"error": {"message": f"invalid credentials: {auth}"}})
+                    self._json(401, {"error": {"message": f"invalid credentials: {judge.echo(auth or '')}"}})
+                elif mode == "echo-raw":
+                    self._send(401, judge.echo(auth or "").encode())
                 elif mode == "echo-reply":
-                    self._json(200, completion(f"I was called with {auth}, no opinion"))
+                    self._json(200, completion(f"I was called with {judge.echo(auth or '')}, no opinion"))
                 else:
                     raise AssertionError(mode)
 

@@ -4,6 +4,7 @@ unbounded read."""
 
 from __future__ import annotations
 
+import base64
 import time
 import tracemalloc
 
@@ -137,8 +138,8 @@ def test_a_huge_body_is_not_read(fake_judge, judge_for, mode):
 def test_the_key_is_redacted_when_the_server_echoes_it(fake_judge, judge_for, mode, caplog):
     server = fake_judge()
     server.mode = mode
-    message = _fails(judge_for(server.url), "HTTP 401|no number", 5)
-    assert "**********" in message
+    message = _fails(judge_for(server.url), "HTTP 401|quoted the API key back", 5)
+    assert ("**********" if mode == "echo" else "no score is read from such a reply") in message
     assert server.auth_headers == [f"Bearer {KEY}"]  # the key was sent, and echoed, yet not shown
     assert KEY not in caplog.text
 
@@ -167,3 +168,61 @@ def test_failures_reach_the_core_as_errors_never_as_zero(fake_judge, judge_for):
     sample = Sample(request=request, latents=None, sigmas=None, logprobs=None, output=IMAGE)
     optional.score([sample])  # an optional reward that fails is left out, never scored 0
     assert sample.rewards == {"one": 1.0} and sample.reward == 1.0
+
+
+ODD_KEY = "sk-omnirl/Secret+Key=9"  # characters that percent-encoding changes, and a digit a parser could take
+ECHOES = {
+    "raw": lambda a: a,
+    "percent-encoded, upper-case hex": lambda a: a.replace("/", "%2F").replace("+", "%2B").replace("=", "%3D"),
+    "percent-encoded, lower-case hex": lambda a: a.replace("/", "%2f").replace("+", "%2b").replace("=", "%3d"),
+    "every byte percent-encoded": lambda a: "".join(f"%{b:02X}" for b in a.encode()),
+    "every byte percent-encoded, lower case": lambda a: "".join(f"%{b:02x}" for b in a.encode()),
+    "form-encoded": lambda a: a.replace(" ", "+").replace("/", "%2F").replace("+K", "%2BK").replace("=", "%3D"),
+    "base64 of the header": lambda a: base64.b64encode(a.encode()).decode(),
+    "base64 of the key after a prefix": lambda a: base64.b64encode(("xx:" + a[7:]).encode()).decode(),
+    "URL-safe base64": lambda a: base64.urlsafe_b64encode(("x" + a[7:]).encode()).decode(),
+    "JSON unicode escapes": lambda a: "".join(f"\\u{ord(c):04x}" for c in a),
+    "lower-cased": lambda a: a.lower(),
+    "HTML character references": lambda a: "".join(f"&#{ord(c)};" for c in a),
+}
+
+
+@pytest.mark.parametrize("echo", list(ECHOES))
+def test_the_key_is_redacted_in_every_encoding_a_server_echoes(fake_judge, judge_for, monkeypatch, echo, caplog):
+    """Before, only the raw, JSON-escaped and ``quote(key, safe="")`` forms were masked: lower-case or
+    every-byte percent-encoding, base64 and the rest went out as they came."""
+    monkeypatch.setenv("OMNIRL_JUDGE_API_KEY", ODD_KEY)
+    server = fake_judge()
+    server.mode = "echo-raw"  # the body as the test writes it: {"error": "invalid credentials: <echo>"}
+    server.echo = lambda auth: '{"error": "invalid credentials: ' + ECHOES[echo](auth) + '"}'
+    message = _fails(judge_for(server.url), "HTTP 401", 5)
+    assert "**********" in message, message
+    echoed = ECHOES[echo](f"Bearer {ODD_KEY}")
+    piece = echoed[len(echoed) * 3 // 5:][:8]  # within the key's part of the echo
+    assert ODD_KEY not in message and piece not in message, message
+    assert server.auth_headers == [f"Bearer {ODD_KEY}"]
+    assert ODD_KEY not in caplog.text
+
+
+def test_no_score_is_read_from_a_reply_that_quotes_the_key(fake_judge, judge_for, monkeypatch):
+    """Before: 'I was called with Bearer sk-omnirl/Secret+Key=9' scored 0.9 (the digit of the key)."""
+    monkeypatch.setenv("OMNIRL_JUDGE_API_KEY", ODD_KEY)
+    server = fake_judge()
+    server.mode = "echo-reply"
+    for echo in ("raw", "every byte percent-encoded, lower case", "base64 of the header"):
+        server.echo = ECHOES[echo]
+        message = _fails(judge_for(server.url), "quoted the API key back in its reply; no score is read", 5)
+        assert ODD_KEY not in message
+
+
+PREFIX = '{"error": {"message": "invalid credentials: Bearer '  # what the body holds before the key
+
+
+@pytest.mark.parametrize(("pad", "where"), [("x" * (191 - len(PREFIX)), "cut at 200 characters"),
+                                             (" " * (4096 - 9 - len(PREFIX)), "cut at the 4 KiB read")])
+def test_a_key_cut_in_two_by_the_message_limits_is_not_shown_in_part(fake_judge, judge_for, pad, where):
+    """Before, the message was shortened first and masked after: the piece of the key before the cut was shown."""
+    server = fake_judge()
+    server.mode, server.echo = "echo", lambda auth: pad + auth
+    message = _fails(judge_for(server.url), "HTTP 401", 5)
+    assert not any(KEY[:n] in message for n in range(6, len(KEY) + 1)), (where, message)

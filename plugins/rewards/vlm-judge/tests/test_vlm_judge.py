@@ -414,3 +414,57 @@ def test_a_key_over_plain_http_to_another_host_is_warned_about(monkeypatch, capl
     warnings = [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
     assert warnings == [("vlm-judge sends the API key from OMNIRL_JUDGE_API_KEY over plain http to "
                          "http://judge.example:8000/v1/chat/completions; use https beyond this machine")]
+
+
+EXIT_WITHOUT_CLOSE = """
+import threading
+import numpy as np
+from omnirl_plugin_vlm_judge.options import VLMJudgeOptions
+from omnirl_plugin_vlm_judge.reward import VLMJudge
+from omnirl_plugin_vlm_judge.server import make_server
+
+server = make_server(0)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+judge = VLMJudge(VLMJudgeOptions(url=f"http://127.0.0.1:{server.server_address[1]}/v1"))
+print(judge([np.full((3, 8, 8), 0.5, np.float32)], ["p"]), flush=True)
+"""
+
+
+def test_a_process_that_never_closes_the_judge_exits_without_unclosed_session_errors():
+    """Nothing closes a reward at the end of a run: every run with vlm-judge ended with aiohttp's "Unclosed
+    client session" and "Unclosed connector" errors. The session is now closed at exit (and when the judge is
+    garbage collected)."""
+    proc = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[0.5019608]", proc.stderr
+    assert "Unclosed" not in proc.stderr, proc.stderr
+
+
+def test_a_judge_dropped_without_close_closes_its_session(fake_judge):
+    import gc
+
+    server = fake_judge()
+    judge = VLMJudge(VLMJudgeOptions(url=server.url))
+    assert judge([BRIGHT], ["p"]) == [0.7]
+    thread = judge._thread
+    del judge
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()  # the loop stopped: its session was closed first (see _shut)
+
+
+def test_stand_in_server_bounds_bodies_as_the_reward_server_does():
+    """It shares the reward server's rules (``omnirl_core.rewards.server``); before, Content-Length -1 read the
+    stream to its end."""
+    import socket
+
+    server = make_server(0)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n" + b"{" * 65536)
+            reply = sock.makefile("rb").read()  # the server answers and closes without waiting for the stream's end
+        assert reply.startswith(b"HTTP/1.1 400 ") and b"Content-Length '-1' is not a number of bytes" in reply
+    finally:
+        server.shutdown()
+        server.server_close()

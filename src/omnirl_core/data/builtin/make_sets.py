@@ -111,7 +111,7 @@ def counting() -> list[dict]:
 
 def composition() -> list[dict]:
     rng = random.Random(4)
-    out = []
+    out: list[dict] = []
     while len(out) < 320:
         c1, c2 = rng.sample(COLORS, 2)
         o1, o2 = rng.sample(OBJECTS, 2)

@@ -1,0 +1,1 @@
+"""omnirl engine plugin: training through VeOmni's FSDP2 parallel state, parallelize API and optimizer."""
