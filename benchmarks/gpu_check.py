@@ -115,11 +115,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     import torch
-    from omnirl_cli.plan import device_memory_bytes
 
     from omnirl_core.config import deep_merge
     from omnirl_core.loop.controller import Controller
-    from omnirl_core.plan.planner import plan_memory
+    from omnirl_core.planning.memory import device_memory
+    from omnirl_core.planning.planner import parse_bytes, plan_memory
     from omnirl_core.resolve import resolve_run
 
     m = manager()
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         config["run"]["output_dir"] = tmp
         resolved = resolve_run(m, [config])
-        memory = device_memory_bytes(args.device_memory, resolved) if cuda else None
+        memory = (parse_bytes(args.device_memory) if args.device_memory else device_memory("cuda")[0]) if cuda else None
         plan = plan_memory(resolved, memory, suggest=False) if args.size == "full" else None
         if cuda:
             torch.cuda.reset_peak_memory_stats()

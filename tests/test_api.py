@@ -19,7 +19,7 @@ CONFIG = {"model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name
 
 
 def _python(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False,
                           env={**os.environ, "OMNIRL_AUTOLOAD": "1"})
 
 
@@ -33,8 +33,7 @@ def test_train_evaluate_and_plan_from_python_match_the_cli(tmp_path: Path):
     api_dir, cli_dir = tmp_path / "api", tmp_path / "cli"
     config = {**CONFIG, "run": {**CONFIG["run"], "output_dir": str(api_dir)}}
     script = f"""
-import json
-from omnirl_core import api as omnirl_core
+import json, omnirl_core
 run_dir = omnirl_core.train({config!r})
 report = omnirl_core.evaluate(run_dir, prompts="builtin:colors", max_prompts=2, samples=1, compare="base")
 plan = omnirl_core.plan({CONFIG!r}, device_memory="80GiB")
@@ -57,7 +56,7 @@ print(json.dumps({{"run_dir": str(run_dir), "labels": [r.label for r in report.r
 
 def test_a_bad_config_raises_the_error_the_cli_prints():
     proc = _python("""
-from omnirl_core import api as omnirl_core
+import omnirl_core
 from omnirl_core.errors import OmnirlError
 try:
     omnirl_core.plan({"model": {"name": "qwen-imgae"}, "algorithm": {"name": "flowgrpo"}})

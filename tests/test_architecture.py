@@ -118,7 +118,7 @@ PROBE_ALLOWED = {
     ("omnirl_core.config", "__args__"): "typing introspection of a field's annotation",
     ("omnirl_core.plugins", "dist"): "importlib.metadata EntryPoint.dist is missing on Python 3.10's backport",
     ("omnirl_core.plugins", "__name__"): "a registered plugin may be a module or an object",
-    ("omnirl_core.plan.activations", "enable_gradient_checkpointing"): "diffusers vs transformers modules",
+    ("omnirl_core.planning.activations", "enable_gradient_checkpointing"): "diffusers vs transformers modules",
     ("omnirl_core.rewards_kit.clip", "resample"): "transformers' image processors differ across versions",
     ("omnirl_core.rewards_kit.clip", "value"): "PIL's resampling enum vs an int across versions",
     ("omnirl_core.testing.forkserver", "fork"): "os.fork exists on POSIX only",
@@ -127,7 +127,11 @@ PROBE_ALLOWED = {
     ("omnirl_core.ar.model", "name_or_path"): "a transformers module's config may lack a hub name",
     ("omnirl_core.ar.model", "unexpected_keys"): "peft's load result differs across peft versions",
     ("omnirl_core.manifest", "__path__"): "a registered plugin may be a module, a package or an object",
-    ("omnirl_core.plan.activations", "name"): "transformers' model outputs hold optional fields",
+    ("omnirl_core.planning.activations", "name"): "transformers' model outputs hold optional fields",
+    ("omnirl_core.resolve", "model_fields"): "a plugin's options class may be any pydantic model or none",
+    ("omnirl_core.testing.engines", "to_local"): "a torch tensor may be a DTensor (FSDP2's shards)",
+    ("omnirl_core.testing.engines", "full_tensor"): "a torch tensor may be a DTensor (FSDP2's shards)",
+    ("omnirl_core.testing.engines", "detach"): "optimizer state holds tensors and plain numbers",
 }
 
 
@@ -178,10 +182,11 @@ NAME_ALLOWED = {
     ("omnirl_core.testing.forkserver", "torch"): "the library, preloaded",
     ("omnirl_core.testing.forkserver", "diffusers"): "the library, preloaded",
     ("omnirl_core.testing.forkserver", "transformers"): "the library, preloaded",
+    ("omnirl_core.loop.interrupts", "torch"): "the library, looked up in sys.modules",
     ("omnirl_core.data.builtin.make_sets", "color"): "a column of the colour prompt set",
-    ("omnirl_core.plan.activations", "torch"): "the library's version, part of a cached trace's key",
-    ("omnirl_core.plan.activations", "diffusers"): "the library's version, part of a cached trace's key",
-    ("omnirl_core.plan.activations", "transformers"): "the library's version, part of a cached trace's key",
+    ("omnirl_core.planning.activations", "torch"): "the library's version, part of a cached trace's key",
+    ("omnirl_core.planning.activations", "diffusers"): "the library's version, part of a cached trace's key",
+    ("omnirl_core.planning.activations", "transformers"): "the library's version, part of a cached trace's key",
 }
 
 

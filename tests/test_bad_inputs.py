@@ -195,7 +195,8 @@ def test_a_step_too_large_for_this_machine_is_refused_up_front_with_the_numbers(
 def test_the_memory_floor_counts_outputs_and_trajectories():
     from omnirl_core.config import RunConfig
     from omnirl_core.errors import ConfigError
-    from omnirl_core.plan.memory import check_rollout_memory, rollout_state_bytes
+    from omnirl_core.planning.memory import check_rollout_memory
+    from omnirl_core.planning.planner import rollout_state_bytes
 
     cfg = RunConfig.model_validate({"rollout": {"height": 64, "width": 64, "num_steps": 9,
                                                 "prompts_per_step": 2, "group_size": 4}})

@@ -10,10 +10,10 @@ import torch
 
 from omnirl_core.config import RunConfig
 from omnirl_core.errors import ConfigError
-from omnirl_core.plan.activations import DenoiserProbe, _prepare, trace_activations
-from omnirl_core.plan.measure import training_step_peak_bytes
-from omnirl_core.plan.model import ModelSizing
-from omnirl_core.plan.planner import GIB, check_fits, parse_bytes, plan_memory
+from omnirl_core.planning.activations import DenoiserProbe, _prepare, trace_activations
+from omnirl_core.planning.measure import training_step_peak_bytes
+from omnirl_core.planning.model import ModelSizing
+from omnirl_core.planning.planner import GIB, check_fits, parse_bytes, plan_memory
 
 # a small Qwen-Image MMDiT: the real block class, 4 blocks of width 128
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -76,11 +76,18 @@ def test_parse_bytes():
 def _resolved(config: dict, needs_reference: bool = True, needs_ema: bool = False, engine: str = "torch",
               beta: float = 0.04) -> SimpleNamespace:
     cfg = RunConfig.model_validate(config)
+
+    def dump() -> dict:
+        out = cfg.model_dump(mode="json")
+        out["algorithm"]["options"] = {"beta": beta}  # the algorithm's own options, as a resolved run dumps them
+        return out
+
     return SimpleNamespace(
         config=cfg, options={"model.options": None, "algorithm.options": SimpleNamespace(beta=beta)},
-        algorithm=SimpleNamespace(needs_reference=needs_reference, needs_ema=needs_ema, name="algo"),
-        train_engine=SimpleNamespace(name=engine), rollout_engine=SimpleNamespace(name="diffusers"),
-        model=SimpleNamespace(name="toy"), dump=lambda: cfg.model_dump(mode="json"))
+        algorithm=SimpleNamespace(needs_reference=needs_reference, needs_ema=needs_ema, name="algo", min_group_size=2),
+        train_engine=SimpleNamespace(name=engine, shards=engine == "fsdp2"),
+        rollout_engine=SimpleNamespace(name="diffusers", batch_option="max_num_seqs"),
+        model=SimpleNamespace(name="toy", sizing=None), dump=dump)
 
 
 SIZING = {"components": {"transformer": 10 * 2**30, "text_encoder": 4 * 2**30, "vae": 2**28},

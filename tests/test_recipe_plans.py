@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omnirl_core.config import load_recipe
-from omnirl_core.plan.planner import parse_bytes, plan_memory
+from omnirl_core.planning.planner import parse_bytes, plan_memory
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 

@@ -46,7 +46,7 @@ def path(name: str = typer.Argument(..., help="A component that declares an envi
 @env_app.command("list")
 def list_envs(device: str = DeviceOpt, fmt: str = typer.Option("table", "--format", help="table or json.")) -> None:
     """Installed components that declare an environment, and whether it is built."""
-    from omnirl_cli.main import _check_format, _print_table
+    from omnirl_cli.common import _check_format, _print_table
     from omnirl_core.serving.envs import declared_environments
 
     _check_format(fmt)

@@ -6,14 +6,10 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 plugin resolutio
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
 import sys
-import typing
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +21,19 @@ from omnirl_core.host import threads
 from omnirl_core.project import __version__
 
 if TYPE_CHECKING:
-    from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import ResolvedRun
+
+from omnirl_cli.common import (
+    DryRunOpt,
+    FormatOpt,
+    RunFlags,
+    _check_format,
+    _err,
+    _manager,
+    _print_table,
+    build_layers,
+    run_flags,
+)
 
 threads.apply_env()  # the OpenMP pool's size and wait policy: read once, when torch loads (after this)
 
@@ -44,10 +51,6 @@ STATE = {"debug": bool(os.environ.get("OMNIRL_DEBUG"))}
 log = logging.getLogger("omnirl")
 
 
-def _err(text: str) -> None:
-    sys.stderr.write(text.rstrip("\n") + "\n")
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"omnirl {__version__}")
@@ -62,40 +65,6 @@ def main(
     if debug:
         STATE["debug"] = True
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def _manager():
-    from omnirl_core.plugins import get_plugin_manager
-
-    return get_plugin_manager()
-
-
-def _print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_lines=False)
-    for col in columns:
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*[_cell(row.get(c, "")) for c in columns])
-    Console(width=200).print(table)
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return ", ".join(str(v) for v in value)
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    return str(value)
-
-
-FormatOpt = typer.Option("table", "--format", help="table or json.")
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in ("table", "json"):
-        raise UsageError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
 
 
 # -- listings -------------------------------------------------------------------------------------
@@ -188,154 +157,6 @@ def list_cmd(
 
 # -- train ----------------------------------------------------------------------------------------
 
-def parse_reward(text: str, qualified: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-    """NAME, NAME:WEIGHT, PLUGIN:NAME or PLUGIN:NAME:WEIGHT (``qualified``: the installed rewards'
-    PLUGIN:NAME names, which tell a qualified name from a weight that is not a number)."""
-    import math
-
-    if not text.strip():
-        raise UsageError("Empty --reward.", hint="Use --reward NAME or --reward NAME:WEIGHT.")
-    head, sep, tail = text.rpartition(":")
-    if not sep or text in qualified:
-        return {"name": text}  # NAME or PLUGIN:NAME
-    if not _is_number(tail):
-        raise UsageError(f"--reward {text}: the weight '{tail}' is not a number.",
-                         hint="Use --reward NAME:WEIGHT with a number (e.g. jpeg:0.5), or PLUGIN:NAME for a "
-                         "reward of one plugin.")
-    weight = float(tail)
-    if not math.isfinite(weight):
-        raise UsageError(f"--reward {text}: the weight must be a finite number, not {tail}.",
-                         hint="Use --reward NAME:WEIGHT with a finite weight (e.g. color:1.0).")
-    return {"name": head, "weight": weight}
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def build_layers(model, algo, preset, rewards, recipe, overrides, output_dir, steps, device, seed,
-                 executor=None, ray_address=None, qualified=frozenset(), trackers=None) -> list[dict]:
-    from omnirl_core.config import load_recipe, parse_set
-
-    layers = []
-    if recipe:
-        layers.append(load_recipe(recipe))
-    flags: dict[str, Any] = {}
-    if model:
-        flags.setdefault("model", {})["name"] = model
-    if preset:
-        flags.setdefault("model", {})["preset"] = preset
-    if algo:
-        flags.setdefault("algorithm", {})["name"] = algo
-    if rewards:
-        flags["rewards"] = [parse_reward(r, qualified) for r in rewards]
-    run: dict[str, Any] = {}
-    if output_dir:
-        run["output_dir"] = output_dir
-    if steps is not None:
-        run["steps"] = steps
-    if device:
-        run["device"] = device
-    if seed is not None:
-        run["seed"] = seed
-    if executor:
-        run["executor"] = executor
-    if ray_address:
-        run["ray_address"] = ray_address
-    if trackers:
-        run["trackers"] = [{"name": t} for t in trackers]
-    if run:
-        flags["run"] = run
-    layers.append(flags)
-    if overrides:
-        layers.append(parse_set(overrides))
-    return layers
-
-
-ModelOpt = typer.Option(None, "--model", "-m", help="Model name (see `omnirl list models`).")
-AlgoOpt = typer.Option(None, "--algo", "-a", help="Algorithm name (see `omnirl list algos`).")
-PresetOpt = typer.Option(None, "--preset", help="Model preset, e.g. 'tiny' (random weights, built locally).")
-RewardOpt = typer.Option(None, "--reward", "-r", help="NAME[:WEIGHT], repeatable.")
-RecipeOpt = typer.Option(None, "--recipe", help="Recipe YAML.")
-SetOpt = typer.Option(None, "--set", help="KEY=VALUE override, repeatable (e.g. train.lr=3e-4).")
-TrackerOpt = typer.Option(None, "--tracker", help="Experiment tracker (tensorboard, wandb, ...), repeatable; "
-                          "options with --set run.trackers.N.options.KEY=VALUE.")
-
-
-OutputDirOpt = typer.Option(None, "--output-dir", "-o", help="Run directory (resumes if it holds this run).")
-StepsOpt = typer.Option(None, "--steps", help="Training steps.")
-DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda, ...")
-SeedOpt = typer.Option(None, "--seed", help="Run seed.")
-ExecutorOpt = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors).")
-RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray); default: "
-                             "start a local Ray instance.")
-DryRunOpt = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device.")
-
-
-@dataclass
-class RunFlags:
-    """The flags that make a run's config layers (``build_layers``), as one value: what ``run_flags`` passes."""
-
-    model: str | None = None
-    algo: str | None = None
-    preset: str | None = None
-    reward: list[str] | None = None
-    recipe: str | None = None
-    overrides: list[str] | None = None
-    output_dir: str | None = None
-    steps: int | None = None
-    device: str | None = None
-    seed: int | None = None
-    executor: str | None = None
-    ray_address: str | None = None
-    tracker: list[str] | None = None
-
-    def layers(self, manager: PluginManager) -> list[dict]:
-        return build_layers(self.model, self.algo, self.preset, self.reward, self.recipe, self.overrides,
-                            self.output_dir, self.steps, self.device, self.seed, self.executor, self.ray_address,
-                            qualified={s.qualified_name for s in manager.registries["reward"]},
-                            trackers=self.tracker)
-
-
-RUN_FLAGS: dict[str, tuple[Any, Any]] = {
-    "model": (str | None, ModelOpt), "algo": (str | None, AlgoOpt), "preset": (str | None, PresetOpt),
-    "reward": (list[str] | None, RewardOpt), "recipe": (str | None, RecipeOpt), "overrides": (list[str] | None, SetOpt),
-    "output_dir": (str | None, OutputDirOpt), "steps": (int | None, StepsOpt), "device": (str | None, DeviceOpt),
-    "seed": (int | None, SeedOpt), "executor": (str | None, ExecutorOpt), "ray_address": (str | None, RayAddressOpt),
-    "tracker": (list[str] | None, TrackerOpt),
-}
-"""Every ``RunFlags`` field: its type and its option."""
-
-
-def run_flags(*names: str, **options: object) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A command decorator: the command takes the run flags ``names`` (all of them when none is named;
-    ``options`` gives one of them another ``typer.Option``) ahead of its own parameters and gets them as its first
-    argument, one ``RunFlags``. Declared once, a flag reads the same in every command that takes it."""
-    chosen = names or tuple(RUN_FLAGS)
-    keyword = inspect.Parameter.KEYWORD_ONLY
-
-    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
-        hints = typing.get_type_hints(command, localns={"RunFlags": RunFlags})
-        own = list(inspect.signature(command).parameters.values())[1:]
-        flags = [inspect.Parameter(n, keyword, default=options.get(n, RUN_FLAGS[n][1]), annotation=RUN_FLAGS[n][0])
-                 for n in chosen]
-
-        def with_flags(**kwargs):  # typer reads the signature below, with evaluated types, not annotations
-            return command(RunFlags(**{n: kwargs.pop(n) for n in chosen}), **kwargs)
-
-        for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(with_flags, attribute, getattr(command, attribute))
-        with_flags.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            flags + [p.replace(kind=keyword, annotation=hints.get(p.name, p.annotation)) for p in own])
-        return with_flags
-
-    return decorate
-
-
 @config_app.command("show")
 @run_flags()
 def config_show(
@@ -400,24 +221,21 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt, allow_recipe_environments:
     layers = flags.layers(manager)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     check_recipe_environments(flags.recipe, layers, resolved, allow_recipe_environments)
-    launch = Launch.prepare(manager, resolved, dry_run=dry_run)
     if dry_run:
+        launch = Launch.prepare(manager, resolved, dry_run=True)
         if launch.data_problem:
             _err(f"warning: {launch.data_problem}")
         typer.echo(yaml.safe_dump(launch.plan(), sort_keys=False))
         if launch.memory is not None:  # checked in prepare, as the run checks it: exit 2 when it does not fit
             typer.echo("memory_plan: |\n" + "\n".join("  " + line for line in launch.memory.table().splitlines()))
         return
-    resuming = launch.claim(manager)
-    assert resolved.device is not None  # probed: not a dry run
-    _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {launch.run_path} on {resolved.device.name}")
-    _train(resolved, launch.run_path, launch.data)
+    _train(resolved, manager)
 
 
-def _train(resolved, run_path: Path, data=None) -> None:
+def _train(resolved: ResolvedRun, manager: Any) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from omnirl_core.loop.controller import Controller
+    from omnirl_core.api import train as run_training
 
     cfg = resolved.config
     progress = Progress(
@@ -430,26 +248,38 @@ def _train(resolved, run_path: Path, data=None) -> None:
         refresh_per_second=4,
     )
     task = progress.add_task("train", total=cfg.run.steps, info="setting up")
+    started: dict[str, Any] = {}
+
+    def on_claim(run_path: Path, resuming: bool) -> None:
+        assert resolved.device is not None  # probed: not a dry run
+        started["run_path"] = run_path
+        _err(f"omnirl: {'resuming' if resuming else 'starting'} run in {run_path} on {resolved.device.name}")
+
+    def on_start(controller: Any) -> None:
+        started["controller"] = controller
+        progress.start()
+        progress.update(task, completed=controller.start_step - 1)
 
     def on_step(record: dict[str, Any]) -> None:
         info = (f"reward {record['reward/mean']:.4f}  loss {record.get('loss', float('nan')):+.4f}  "
                 f"{record['time/step_s']:.2f}s/step")
         progress.update(task, completed=record["step"], info=info)
 
-    controller = Controller(resolved, run_path, on_step=on_step, data=data)
     try:
-        with progress:
-            progress.update(task, completed=controller.start_step - 1)
-            summary = controller.run()
+        run_path = run_training(resolved, manager=manager, on_step=on_step, on_start=on_start, on_claim=on_claim)
     except KeyboardInterrupt as exc:  # typer would turn it into a bare exit code
+        if "run_path" not in started:
+            raise
         raise RunInterrupted(
-            f"interrupted: {run_path} holds every finished step that was saved "
-            f"({_saved_steps(run_path)}).", exit_code=getattr(exc, "exit_code", 130),
+            f"interrupted: {started['run_path']} holds every finished step that was saved "
+            f"({_saved_steps(started['run_path'])}).", exit_code=getattr(exc, "exit_code", 130),
             hint="Rerun the same command to resume.") from None
-    records = controller.run_dir.read_metrics()
+    finally:
+        progress.stop()
+    records = started["controller"].run_dir.read_metrics()
     if records:
         last = records[-1]
-        _err(f"omnirl: done: {summary['steps']} steps, last reward/mean {last['reward/mean']:.4f}; "
+        _err(f"omnirl: done: {cfg.run.steps} steps, last reward/mean {last['reward/mean']:.4f}; "
              f"run directory {run_path}")
 
 
@@ -474,12 +304,13 @@ def plugin_new(
 
 # -- evaluate, sample, report -------------------------------------------------------------------------
 
-def _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager):
+def _model_for(run_dir: str | None, flags: RunFlags, manager: Any) -> Any:
     from omnirl_core.loop.evaluation import resolve_for_eval
 
-    layers = build_layers(model, algo, preset, reward, recipe, overrides, None, None, device, None,
-                          qualified={s.qualified_name for s in manager.registries["reward"]})
-    return resolve_for_eval(manager, layers, Path(run_dir) if run_dir else None, bool(model or recipe), bool(algo))
+    layers = build_layers(flags.model, flags.algo, flags.preset, None, flags.recipe, flags.overrides, None, None,
+                          flags.device, None, qualified={s.qualified_name for s in manager.registries["reward"]})
+    return resolve_for_eval(manager, layers, Path(run_dir) if run_dir else None, bool(flags.model or flags.recipe),
+                            bool(flags.algo))
 
 
 PromptOpt = typer.Option(None, "--prompt", "-p", help="A prompt, repeatable.")
@@ -493,7 +324,12 @@ TrainedOpt = typer.Option(False, "--trained-weights", help="A checkpoint that ho
 
 
 @app.command("eval")
+@run_flags("model", "algo", "preset", "reward", "recipe", "overrides", "device", "output_dir",
+           device=typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
+           output_dir=typer.Option(None, "--output-dir", "-o", help="Where eval/step-N/ goes; default: the run "
+                                   "directory (runs/eval-<model>-<time> without one)."))
 def eval_cmd(
+    flags: RunFlags,
     run_dir: str | None = RunDirArg,
     checkpoint: str | None = CheckpointOpt,
     lora: str | None = LoraOpt,
@@ -501,12 +337,6 @@ def eval_cmd(
     trained_weights: bool = TrainedOpt,
     compare: str | None = typer.Option(None, "--compare", help="'base': evaluate the base model too, side by side, "
                                        "with the difference and its paired standard error."),
-    model: str | None = ModelOpt,
-    algo: str | None = AlgoOpt,
-    preset: str | None = PresetOpt,
-    reward: list[str] | None = RewardOpt,
-    recipe: str | None = RecipeOpt,
-    overrides: list[str] | None = SetOpt,
     prompts: str | None = typer.Option(None, "--prompts", help="Prompt source (file, builtin:NAME, hf:NAME, ...); "
                                        "default: the run's data."),
     split: str = typer.Option("test", "--split", help="test (held out; all of --prompts if it has no split), train "
@@ -514,57 +344,34 @@ def eval_cmd(
     samples: int = typer.Option(4, "--samples", min=1, help="Samples per prompt (fixed seeds)."),
     max_prompts: int | None = typer.Option(None, "--max-prompts", min=1, help="Evaluate on the first N prompts."),
     seed: int = typer.Option(0, "--seed", help="Evaluation seed (the same seed, the same initial noise)."),
-    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
-    output_dir: str | None = typer.Option(None, "--output-dir", "-o", help="Where eval/step-N/ goes; default: "
-                                          "the run directory (runs/eval-<model>-<time> without one)."),
     fmt: str = FormatOpt,
 ) -> None:
     """Evaluate a model on held-out prompts: fixed seeds, the deterministic (ODE) sampler, every reward."""
-    from omnirl_core.loop import evaluation as ev
+    from omnirl_core.api import evaluate
+    from omnirl_core.loop.evaluation import eval_steps
 
     _check_format(fmt)
-    if compare not in (None, "base"):
-        raise UsageError(f"Unknown --compare '{compare}'.", hint="Use --compare base.")
     manager = _manager()
-    resolved = _model_for(run_dir, model, algo, preset, reward, recipe, overrides, device, manager)
-    weights = ev.weights_to_load(Path(run_dir) if run_dir else None, checkpoint, lora, base)
-    if compare and weights is None:
-        raise UsageError("--compare base needs trained weights to compare with.",
-                         hint="Give a run directory (or --checkpoint / --lora).")
-    records, described = ev.eval_records(resolved, prompts, split, max_prompts)
-    cfg = resolved.config
-    _err(f"omnirl: evaluating on {described}, {samples} sample(s) each, ODE sampler, {ev.eval_steps(cfg)} steps, "
-         f"CFG {cfg.rollout.guidance_scale:g}")
-    evaluator = ev.Evaluator(resolved)
-    results = []
-    if weights is None or compare == "base":
-        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "base"))
-    if weights is not None:
-        evaluator.load(weights, trained=trained_weights)
-        if evaluator.loaded != str(weights):
-            _err(f"omnirl: evaluating {evaluator.loaded} (the algorithm's evaluation weights; --trained-weights "
-                 "loads the trained ones)")
-        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "trained"))
-    comparison = ev.compare(results[0], results[1]) if len(results) == 2 else None
-    step = ev.checkpoint_step(weights)
-    if output_dir:
-        root = Path(output_dir)
-    elif run_dir:
-        root = Path(run_dir)
-    else:
-        root = ev.default_eval_dir(resolved)
-    name = f"step-{step:06d}" if weights is None or step or checkpoint else f"lora-{weights.name}"
-    settings = {"step": step, "checkpoint": str(weights) if weights else None, "weights": evaluator.loaded,
-                "during_training": False,
-                "prompts": described, "samples_per_prompt": samples, "seed": seed, "sampler": "ode",
-                "num_steps": ev.eval_steps(cfg), "guidance_scale": cfg.rollout.guidance_scale,
-                "rewards": [f"{e.name} x{e.weight:g}" for e in cfg.rewards]}
-    path = ev.write_results(root / "eval" / name, results, settings, comparison, samples)
+    layers = build_layers(flags.model, flags.algo, flags.preset, flags.reward, None, flags.overrides, None,
+                          None, flags.device, None, qualified={s.qualified_name for s in manager.registries["reward"]})
+    config: list[dict[str, Any] | str] = [*([flags.recipe] if flags.recipe else []), *(lay for lay in layers if lay)]
+
+    def started(described: str, cfg: Any) -> None:
+        _err(f"omnirl: evaluating on {described}, {samples} sample(s) each, ODE sampler, {eval_steps(cfg)} steps, "
+             f"CFG {cfg.rollout.guidance_scale:g}")
+
+    report = evaluate(run_dir, config=config, manager=manager, checkpoint=checkpoint,
+                      lora=lora, base=base, trained_weights=trained_weights, compare=compare, prompts=prompts,
+                      split=split, samples=samples, max_prompts=max_prompts, seed=seed, output_dir=flags.output_dir,
+                      on_start=started)
+    if report.weights is not None and report.weights != report.checkpoint:
+        _err(f"omnirl: evaluated {report.weights} (the algorithm's evaluation weights; --trained-weights loads the "
+             "trained ones)")
     if fmt == "json":
-        typer.echo(path.read_text())
+        typer.echo(report.path.read_text())
     else:
-        _print_eval(results, comparison)
-    _err(f"omnirl: results in {path}")
+        _print_eval(report.results, report.comparison)
+    _err(f"omnirl: results in {report.path}")
 
 
 def _print_eval(results, comparison) -> None:
@@ -587,7 +394,10 @@ def _print_eval(results, comparison) -> None:
 
 
 @app.command("sample")
+@run_flags("model", "algo", "preset", "recipe", "overrides", "device",
+           device=typer.Option(None, "--device", help="auto, cpu, cuda, ..."))
 def sample_cmd(
+    flags: RunFlags,
     run_dir: str | None = RunDirArg,
     out: str = typer.Option(..., "--out", help="Folder for the outputs (PNG, GIF for video, TXT for text)."),
     prompt: list[str] | None = PromptOpt,
@@ -597,14 +407,8 @@ def sample_cmd(
     lora: str | None = LoraOpt,
     base: bool = BaseOpt,
     trained_weights: bool = TrainedOpt,
-    model: str | None = ModelOpt,
-    algo: str | None = AlgoOpt,
-    preset: str | None = PresetOpt,
-    recipe: str | None = RecipeOpt,
-    overrides: list[str] | None = SetOpt,
     samples: int = typer.Option(1, "--samples", min=1, help="Samples per prompt."),
     seed: int = typer.Option(0, "--seed", help="Seed (the same seed, the same initial noise)."),
-    device: str | None = typer.Option(None, "--device", help="auto, cpu, cuda, ..."),
 ) -> None:
     """Generate from a model (a run's checkpoint, a LoRA or the base) for a list of prompts into a folder."""
     from omnirl_core.loop.evaluation import (
@@ -616,7 +420,7 @@ def sample_cmd(
     )
 
     manager = _manager()
-    resolved = _model_for(run_dir, model, algo, preset, None, recipe, overrides, device, manager)
+    resolved = _model_for(run_dir, flags, manager)
     weights = weights_to_load(Path(run_dir) if run_dir else None, checkpoint, lora, base)
     records = [{"prompt": p} for p in prompt or []]
     if prompts is not None:

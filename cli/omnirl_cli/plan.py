@@ -1,7 +1,7 @@
 """``omnirl plan``: the memory a resolved run needs per device and worker group, from the architecture the run loads
 (the released model, or a preset's when the model's plugin describes it) built on the ``meta`` device (no weights, no
 download, no accelerator), against the device's memory. Exit 2 with the numbers and the changes that would fit when
-it does not fit (or the changes tried, when none does). See ``omnirl_core.plan.planner``."""
+it does not fit (or the changes tried, when none does). See ``omnirl_core.planning.planner``."""
 
 from __future__ import annotations
 
@@ -10,31 +10,8 @@ import json
 import typer
 
 
-def device_type(manager, resolved) -> str | None:
-    """The torch device type of the run's ``run.device`` (``auto``: the best one here), None when it is not here."""
-    from omnirl_core.errors import OmnirlError
-    from omnirl_core.resolve import resolve_device
-
-    try:
-        return resolve_device(manager, resolved.config.run.device).torch_device
-    except OmnirlError:
-        return None
-
-
-def memory_plan(manager, resolved, device_memory: str | None):
-    """The plan against ``--device-memory`` if given, else against the memory of the device the run would use
-    here (the CPU: the RAM available now; CUDA: the first GPU's), else without a verdict."""
-    from omnirl_core.plan.memory import device_memory as probe
-    from omnirl_core.plan.memory import with_device_dtype
-    from omnirl_core.plan.planner import parse_bytes, plan_memory
-
-    kind = device_type(manager, resolved)
-    memory, source = (parse_bytes(device_memory), "") if device_memory else probe(kind)
-    return plan_memory(with_device_dtype(resolved, kind), memory, device_type=kind, memory_source=source)
-
-
 def register(app: typer.Typer) -> None:
-    from omnirl_cli.main import RunFlags, _manager, run_flags
+    from omnirl_cli.common import RunFlags, _manager, run_flags
 
     @app.command("plan")
     @run_flags("model", "algo", "preset", "reward", "recipe", "overrides", "device", "executor",
@@ -50,14 +27,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Memory per device and worker group for a run (weights, adapters, gradients, optimizer, copies,
         activations), from the architecture the run loads, on the meta device; exit 2 when it does not fit."""
+        from omnirl_core.api import plan as memory_plan
         from omnirl_core.errors import UsageError
-        from omnirl_core.plan.planner import check_fits
+        from omnirl_core.planning.planner import check_fits
         from omnirl_core.resolve import resolve_run
 
         if fmt not in ("table", "json"):
             raise UsageError(f"Unknown --format '{fmt}'.", hint="Use --format table or --format json.")
         manager = _manager()
         resolved = resolve_run(manager, flags.layers(manager), probe_device=False)
-        plan = memory_plan(manager, resolved, device_memory)
+        plan = memory_plan(resolved, manager=manager, device_memory=device_memory)
         typer.echo(json.dumps(plan.as_dict(), indent=2) if fmt == "json" else plan.table())
         check_fits(plan, f"The run ({resolved.model.name}, {resolved.algorithm.name})")

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from omnirl_core.config import RunConfig
     from omnirl_core.loop.controller import Controller
     from omnirl_core.loop.evaluation import EvalResult
-    from omnirl_core.plan.planner import MemoryPlan
+    from omnirl_core.planning.planner import MemoryPlan
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import ResolvedRun
 
@@ -57,10 +58,12 @@ def resolve(config: Config, *, manager: PluginManager | None = None, probe_devic
 
 def train(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
           on_step: Callable[[dict[str, Any]], None] | None = None,
-          on_start: Callable[[Controller], None] | None = None) -> Path:
+          on_start: Callable[[Controller], None] | None = None,
+          on_claim: Callable[[Path, bool], None] | None = None) -> Path:
     """Run (or resume) the training ``config`` describes; returns its run directory. The prompt data and the memory
     plan are checked first, as ``omnirl train`` checks them. ``on_step(row)`` gets each step's metrics row;
-    ``on_start(controller)`` the controller once it is set up (``controller.start_step``: 1, or the step after the
+    ``on_claim(run_dir, resuming)`` is called once the run directory is locked for this run, before the models
+    load; ``on_start(controller)`` once the controller is built (``controller.start_step``: 1, or the step after the
     checkpoint it resumed from). Ctrl-C ends it as the CLI's does (``KeyboardInterrupt``, every finished step
     saved)."""
     from omnirl_core.loop.controller import Controller
@@ -70,7 +73,9 @@ def train(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
     manager = _manager(manager)
     resolved = config if isinstance(config, ResolvedRun) else resolve(config, manager=manager)
     launch = Launch.prepare(manager, resolved, dry_run=False)
-    launch.claim(manager)
+    resuming = launch.claim(manager)
+    if on_claim is not None:
+        on_claim(launch.run_path, resuming)
     controller = Controller(resolved, launch.run_path, on_step=on_step, data=launch.data)
     if on_start is not None:
         on_start(controller)
@@ -88,6 +93,8 @@ class EvalReport:
     path: Path
     described: str
     """The prompts, in words (their source, split and count)."""
+    checkpoint: str | None
+    """The weights asked for (a checkpoint or LoRA directory), or None for the base model alone."""
     weights: str | None
     """What was loaded for ``trained`` (a checkpoint's evaluation weights, its trained weights, a LoRA), or None."""
 
@@ -97,30 +104,33 @@ def evaluate(run_dir: str | Path | None = None, *, config: Config | None = None,
              base: bool = False, trained_weights: bool = False, compare: str | None = None,
              prompts: str | None = None, split: str = "test", samples: int = 4, max_prompts: int | None = None,
              seed: int = 0, output_dir: str | Path | None = None,
-             on_start: Callable[[str], None] | None = None) -> EvalReport:
+             on_start: Callable[[str, RunConfig], None] | None = None) -> EvalReport:
     """Evaluate a model on held-out prompts with fixed seeds, the deterministic (ODE) sampler and every reward of
     the run: ``run_dir``'s config and its latest checkpoint (or ``checkpoint``), a ``lora`` directory, or the base
     model (``base``, or no weights). ``config`` adds or replaces config values (a model, rewards); ``compare='base'``
     evaluates the base model too, side by side. Writes ``eval/<step>/results.json`` under ``output_dir`` (default:
-    the run directory). ``on_start(described)`` is told what is about to be evaluated."""
+    the run directory). ``on_start(described, config)`` is told what is about to be evaluated, and how."""
     from omnirl_core.errors import UsageError
     from omnirl_core.loop import evaluation as ev
 
     if compare not in (None, "base"):
         raise UsageError(f"Unknown compare '{compare}'.", hint="Use compare='base' (--compare base).")
     manager = _manager(manager)
-    layers = config_layers(config) if config is not None else []
-    named_model = any("model" in layer for layer in layers)
-    named_algo = any("algorithm" in layer for layer in layers)
+    items = [] if config is None else [config] if isinstance(config, (Mapping, str, Path)) else list(config)
+    layers = config_layers(items)
+    # a recipe, or a model name, picks the model (else the run's); an algorithm name, the algorithm
+    named_model = any(isinstance(item, (str, Path)) for item in items) or \
+        any((layer.get("model") or {}).get("name") for layer in layers)
+    named_algo = any((layer.get("algorithm") or {}).get("name") for layer in layers)
     run_path = Path(run_dir) if run_dir else None
     resolved = ev.resolve_for_eval(manager, layers, run_path, named_model, named_algo)
     weights = ev.weights_to_load(run_path, checkpoint, lora, base)
     if compare and weights is None:
-        raise UsageError("Comparing with the base model needs trained weights to compare with.",
+        raise UsageError("--compare base needs trained weights to compare with.",
                          hint="Give a run directory (or --checkpoint / --lora).")
     records, described = ev.eval_records(resolved, prompts, split, max_prompts)
     if on_start is not None:
-        on_start(described)
+        on_start(described, resolved.config)
     cfg = resolved.config
     evaluator = ev.Evaluator(resolved)
     results = []
@@ -137,7 +147,8 @@ def evaluate(run_dir: str | Path | None = None, *, config: Config | None = None,
                                 weights=evaluator.loaded, during_training=False, prompts=described,
                                 test_prompts=len(records), samples=samples, seed=seed)
     path = ev.write_results(root / "eval" / name, results, settings, comparison, samples)
-    return EvalReport(results, comparison, path, described, evaluator.loaded if weights is not None else None)
+    return EvalReport(results, comparison, path, described, str(weights) if weights is not None else None,
+                      evaluator.loaded if weights is not None else None)
 
 
 def plan(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
@@ -147,9 +158,9 @@ def plan(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
     of the device the run would use here, the CPU's available RAM or the first GPU's). ``plan.fits`` is the verdict;
     ``plan.table()`` what ``omnirl plan`` prints."""
     from omnirl_core.errors import OmnirlError
-    from omnirl_core.plan.memory import device_memory as probe
-    from omnirl_core.plan.memory import with_device_dtype
-    from omnirl_core.plan.planner import parse_bytes, plan_memory
+    from omnirl_core.planning.memory import device_memory as probe
+    from omnirl_core.planning.memory import with_device_dtype
+    from omnirl_core.planning.planner import parse_bytes, plan_memory
     from omnirl_core.resolve import ResolvedRun, resolve_device
 
     manager = _manager(manager)

@@ -92,7 +92,7 @@ class ModelSpec(ComponentSpec):
     preset_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra suggested values per preset, e.g. a small resolution for ``tiny``."""
     sizing: str | Callable[..., Any] | None = None
-    """``"module:attr"`` of ``(config, options) -> omnirl_core.plan.model.ModelSizing``: the full-size architecture
+    """``"module:attr"`` of ``(config, options) -> omnirl_core.planning.model.ModelSizing``: the full-size architecture
     on ``meta`` for ``omnirl plan`` (None: the model cannot be planned)."""
     limits: ModelLimits | dict[str | None, ModelLimits] | str | Callable[..., ModelLimits] | None = None
     """A ``ModelLimits``; a dict of them by preset (key None: released checkpoints); or ``"module:attr"`` of a

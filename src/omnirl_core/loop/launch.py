@@ -21,7 +21,7 @@ from omnirl_core.rundir.rundir import RunDir
 
 if TYPE_CHECKING:
     from omnirl_core.data.sources import PromptData
-    from omnirl_core.plan.planner import MemoryPlan
+    from omnirl_core.planning.planner import MemoryPlan
     from omnirl_core.plugins import PluginManager
 
 
@@ -42,7 +42,7 @@ class Launch:
     """The opened ``PromptData`` (None only in a dry run whose prompts are missing: ``data_problem``)."""
     data_problem: str | None = None
     memory: MemoryPlan | None = None
-    """The memory plan the run was checked against (``omnirl_core.plan``), or None when the model has none."""
+    """The memory plan the run was checked against (``omnirl_core.planning``), or None when the model has none."""
     device_type: str | None = None
     """The torch device type the run uses (``cpu``, ``cuda``, ...), None when no device of its kind is here."""
 
@@ -74,7 +74,7 @@ class Launch:
         exit 2 when it cannot fit. A dry run resolves the device by name only (nothing touches it); a device that
         is not here leaves the plan without a verdict."""
         from omnirl_core.errors import OmnirlError
-        from omnirl_core.plan.memory import check_run_memory
+        from omnirl_core.planning.memory import check_run_memory
         from omnirl_core.resolve import resolve_device
 
         device = self.resolved.device

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
+from omnirl_core.contracts import as_reward
 from omnirl_core.rewards.dispatch import check_scores
 from omnirl_core.rewards.wire import CONTENT_TYPE, WireError, read_request
 
@@ -179,8 +180,9 @@ class Batcher:
 
     def __init__(self, reward: Callable[..., Any], max_batch: int = 32, max_wait_ms: float = 5.0):
         self.reward = reward
-        self.uses_inputs = bool(getattr(reward, "uses_inputs", False))
-        self.batch_invariant = bool(getattr(reward, "batch_invariant", False))
+        reward = as_reward(reward)  # a plain callable: every capability at its default
+        self.uses_inputs = reward.uses_inputs
+        self.batch_invariant = reward.batch_invariant
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from omnirl_core.ar.sampling import SamplingParams
     from omnirl_core.config import ModelSection
     from omnirl_core.contracts import FlowModel, GenRequest, PolicyModel, RolloutPlan, Sample
-    from omnirl_core.plan.sizing import Published
+    from omnirl_core.planning.sizing import Published
     from omnirl_core.serving.rollout_server import ServedRolloutEngine
 
 M = TypeVar("M", bound="PolicyModel")
@@ -613,7 +613,7 @@ def check_checkpointing_lowers_peak_gpu_memory(build: Callable[[bool], FlowModel
 
 
 def matches_published(count: int, published: Published) -> bool:
-    """A parameter count against a published figure (``omnirl_core.plan.sizing.Published``): within 1 %, or within
+    """A parameter count against a published figure (``omnirl_core.planning.sizing.Published``): within 1 %, or within
     the figure's own rounding when that is coarser (a truncated figure: the count lies in [value, value +
     resolution))."""
     if published.truncated:
@@ -628,12 +628,12 @@ def check_matches_published(count: int, published: Published, what: str) -> None
 
 
 def check_lora_numel(module: torch.nn.Module, targets: tuple[str, ...] | str, rank: int = 8) -> int:
-    """``omnirl_core.plan.sizing.lora_numel`` against what peft adds to ``module`` (``inject_adapter_in_model``,
+    """``omnirl_core.planning.sizing.lora_numel`` against what peft adds to ``module`` (``inject_adapter_in_model``,
     which diffusers' ``add_adapter`` calls) for the same ``targets`` and ``rank``: equal and non-zero. Returns
     the count. A full-width module of two or three blocks on meta keeps it quick."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from omnirl_core.plan.sizing import lora_numel
+    from omnirl_core.planning.sizing import lora_numel
 
     expected = lora_numel(module, targets, rank)
     target_modules = targets if isinstance(targets, str) else list(targets)

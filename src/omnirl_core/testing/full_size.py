@@ -12,7 +12,7 @@
             ...
 
 ``full_size`` is the plugin's module with ``full_size_components(variant)``, ``parameter_counts(variant,
-components)`` and ``PUBLISHED`` (``omnirl_core.plan.sizing.published_counts``). The class builds every variant
+components)`` and ``PUBLISHED`` (``omnirl_core.planning.sizing.published_counts``). The class builds every variant
 once on the meta device (the ``built`` fixture: variant -> (modules, seconds, MiB grown)) and checks that the
 build holds no storage, has the named components, and that every published count is met.
 """

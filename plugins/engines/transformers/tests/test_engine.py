@@ -99,15 +99,16 @@ def test_the_rollout_engine_contract_suite(model, max_batch_size: int):
 def test_the_rollout_engine_contract_suite_on_tiny_qwen3_omni(tmp_path):
     """The same suite on a real omni model's thinker (the tiny Qwen3-Omni preset: MoE, the real Qwen tokenizer and
     chat template), when its plugin is installed."""
-    pytest.importorskip("omnirl_plugin_qwen3_omni")
-    from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model
-    from omnirl_plugin_qwen3_omni.tiny import save_tiny
-
     from omnirl_core.config import LoraConfig, ModelSection
+    from omnirl_core.errors import PluginError
+    from omnirl_core.plugins import get_plugin_manager
     from omnirl_core.testing.engines import check_rollout_engine
 
-    path = save_tiny(tmp_path / "qwen3-omni-tiny", seed=3)
-    omni = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(path)), Qwen3OmniOptions(), "cpu")
+    try:  # the installed plugin, by name (plugins never import each other)
+        spec = get_plugin_manager().resolve("model", "qwen3-omni")
+    except PluginError:
+        pytest.skip("the qwen3-omni model plugin is not installed")
+    omni = spec.load_factory()(ModelSection(name="qwen3-omni", preset="tiny"), spec.load_config()(), "cpu")
     omni.setup_training(LoraConfig(rank=4, alpha=8), need_reference=False)
     samples = check_rollout_engine(lambda m: TransformersRolloutEngine(
         m, TransformersRolloutOptions(max_new_tokens=6, max_batch_size=4), "cpu"), model=omni)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnirl_core.plan.sizing import (
+from omnirl_core.planning.sizing import (
     check_variant,
     checkpoint_numel,
     lora_numel,

@@ -1,5 +1,5 @@
 """BAGEL-7B-MoT for the memory planner (``omnirl plan``): the full-size architecture on ``meta`` (``full_size.py``)
-at the configured resolution and prompt length, its activations traced from the real network. See omnirl_core.plan.
+at the configured resolution and prompt length, its activations traced from the real network. See omnirl_core.planning.
 
 What the plugin loads is one network and an autoencoder: ``transformer`` (the MoT language model with both
 experts and the generation heads) and ``vae``. The understanding expert is not an encoder to offload: the prompt
@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from omnirl_core.loop.distributed import shard_units
-from omnirl_core.plan.activations import DenoiserProbe, meta_cast
-from omnirl_core.plan.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype
-from omnirl_core.plan.sizing import checkpoint_numel, lora_numel
+from omnirl_core.planning.activations import DenoiserProbe, meta_cast
+from omnirl_core.planning.model import DecoderProbe, ModelSizing, lora_settings, torch_dtype
+from omnirl_core.planning.sizing import checkpoint_numel, lora_numel
 from omnirl_plugin_bagel.config import VAE_SCALE_FACTOR, VAE_SHIFT_FACTOR, BagelConfig, LLMConfig
 from omnirl_plugin_bagel.full_size import LLM, MAX_LATENT_SIZE, VAE, full_size_components
 from omnirl_plugin_bagel.model import LORA_TARGETS, BagelOptions, is_generation_only

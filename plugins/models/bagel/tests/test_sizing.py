@@ -13,10 +13,10 @@ from omnirl_plugin_bagel.sizing import _components, probe, sizing
 from omnirl_plugin_bagel.transformer import BagelTransformer
 
 from omnirl_core.config import RunConfig
-from omnirl_core.plan.activations import _prepare, trace_activations
-from omnirl_core.plan.measure import training_step_peak_bytes
-from omnirl_core.plan.planner import GIB
-from omnirl_core.plan.sizing import checkpoint_numel
+from omnirl_core.planning.activations import _prepare, trace_activations
+from omnirl_core.planning.measure import training_step_peak_bytes
+from omnirl_core.planning.planner import GIB
+from omnirl_core.planning.sizing import checkpoint_numel
 from omnirl_core.testing.forkserver import run_omnirl
 
 

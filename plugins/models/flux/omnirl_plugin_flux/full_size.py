@@ -1,13 +1,13 @@
 """The released FLUX.1 dev and schnell at full size, built on the ``meta`` device from their published
 configurations (transformer, CLIP-L text tower, T5-v1.1-XXL encoder, the 16-channel VAE): no weights, no memory,
 to count parameters and plan memory before anything is downloaded. A count is the number of elements a
-checkpoint of the module holds (``omnirl_core.plan.sizing.checkpoint_numel``)."""
+checkpoint of the module holds (``omnirl_core.planning.sizing.checkpoint_numel``)."""
 
 from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import checkpoint_numel, published_counts
+from omnirl_core.planning.sizing import checkpoint_numel, published_counts
 
 VARIANTS = ("dev", "schnell")
 

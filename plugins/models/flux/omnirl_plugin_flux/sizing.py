@@ -1,6 +1,6 @@
 """FLUX.1 for the memory planner (``omnirl plan``): on ``meta`` at the configured resolution and prompt length, the
 released dev or schnell (the preset, or what ``limits`` reads of a local checkpoint's guidance embedding), or the
-tiny preset's architecture when the run uses it. See omnirl_core.plan."""
+tiny preset's architecture when the run uses it. See omnirl_core.planning."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan import model as plan
-from omnirl_core.plan.activations import DenoiserProbe
+from omnirl_core.planning import model as plan
+from omnirl_core.planning.activations import DenoiserProbe
 from omnirl_plugin_flux import full_size, tiny
 
 VAE_SCALE = 8

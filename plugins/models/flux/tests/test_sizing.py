@@ -16,8 +16,8 @@ from omnirl_plugin_flux.sizing import _components, probe, sizing, variant
 
 from omnirl_core import testing
 from omnirl_core.config import RunConfig
-from omnirl_core.plan.planner import GIB
-from omnirl_core.plan.sizing import checkpoint_numel
+from omnirl_core.planning.planner import GIB
+from omnirl_core.planning.sizing import checkpoint_numel
 from omnirl_core.testing.forkserver import run_omnirl
 
 
@@ -127,8 +127,8 @@ SMALL = {"patch_size": 1, "in_channels": 16, "num_layers": 3, "num_single_layers
 def test_activation_estimate_matches_the_measured_peak(side: int, batch: int, checkpointing: bool, v: str):
     from diffusers import FluxTransformer2DModel
 
-    from omnirl_core.plan.activations import _prepare, trace_activations
-    from omnirl_core.plan.measure import training_step_peak_bytes
+    from omnirl_core.planning.activations import _prepare, trace_activations
+    from omnirl_core.planning.measure import training_step_peak_bytes
 
     config = _config(preset="tiny", side=side, device="cpu", dtype="float32")  # the tiny VAE's x4: 16..48 tokens a side
     p = probe(config, FluxOptions(max_sequence_length=24, tiny_variant=v), transformer=SMALL)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import (
+from omnirl_core.planning.sizing import (
     check_variant,
     checkpoint_numel,
     component_counts,

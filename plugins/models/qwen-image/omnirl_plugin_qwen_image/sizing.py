@@ -1,5 +1,5 @@
 """Qwen-Image for the memory planner (``omnirl plan``): on ``meta`` at the configured resolution and prompt length,
-the released architecture, or the tiny preset's when the run uses it. See omnirl_core.plan."""
+the released architecture, or the tiny preset's when the run uses it. See omnirl_core.planning."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan import model as plan
-from omnirl_core.plan.activations import DenoiserProbe
+from omnirl_core.planning import model as plan
+from omnirl_core.planning.activations import DenoiserProbe
 from omnirl_plugin_qwen_image import tiny
 from omnirl_plugin_qwen_image.full_size import TRANSFORMER, VAE, full_size_components
 

@@ -36,7 +36,7 @@ def test_parameter_count_matches_the_published_figure(built, component: str):
 
 
 def test_counts_hold_each_tensor_once_and_persistent_buffers():
-    from omnirl_core.plan.sizing import checkpoint_numel
+    from omnirl_core.planning.sizing import checkpoint_numel
 
     with torch.device("meta"):
         tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))

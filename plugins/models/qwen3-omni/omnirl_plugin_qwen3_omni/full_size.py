@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import check_variant, checkpoint_numel, pipeline_training_bytes, published_counts
+from omnirl_core.planning.sizing import (
+    check_variant,
+    checkpoint_numel,
+    pipeline_training_bytes,
+    published_counts,
+)
 
 VARIANTS = ("30b-a3b",)
 

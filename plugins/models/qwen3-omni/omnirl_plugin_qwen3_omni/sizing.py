@@ -1,7 +1,7 @@
 """The Qwen3-Omni thinker for the memory planner (``omnirl plan``): parameter counts from the full-size
 architecture on ``meta``; activations from the generic transformer estimate (the MoE's routing depends on the
 data, which a meta trace does not have), over prompt + completion tokens, plus the float32 logits of the LM head
-that the token log-probs need. See omnirl_core.plan."""
+that the token log-probs need. See omnirl_core.planning."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan.model import ModelSizing, lora_settings
-from omnirl_core.plan.sizing import checkpoint_numel, trainable_numel
+from omnirl_core.planning.model import ModelSizing, lora_settings
+from omnirl_core.planning.sizing import checkpoint_numel, trainable_numel
 from omnirl_plugin_qwen3_omni.full_size import THINKER, full_size_components
 
 PROMPT_TOKENS = 512

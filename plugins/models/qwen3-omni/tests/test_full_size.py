@@ -44,7 +44,7 @@ def test_lora_count_is_what_the_plugin_adapts(built):
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
 
-    from omnirl_core.plan.sizing import lora_numel
+    from omnirl_core.planning.sizing import lora_numel
 
     config = {**THINKER, "text_config": {**THINKER["text_config"], "num_hidden_layers": 2}}
     with torch.device("meta"):

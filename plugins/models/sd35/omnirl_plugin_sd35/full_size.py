@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import check_variant, component_counts, pipeline_training_bytes, published_counts
+from omnirl_core.planning.sizing import (
+    check_variant,
+    component_counts,
+    pipeline_training_bytes,
+    published_counts,
+)
 
 VARIANTS = ("medium", "large")
 

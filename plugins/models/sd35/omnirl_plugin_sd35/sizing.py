@@ -1,5 +1,5 @@
 """SD3.5 (Medium / Large) for the memory planner (``omnirl plan``): the full-size architecture on ``meta`` at the
-configured layout, resolution and prompt length. See omnirl_core.plan."""
+configured layout, resolution and prompt length. See omnirl_core.planning."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan import model as plan
-from omnirl_core.plan.activations import DenoiserProbe
+from omnirl_core.planning import model as plan
+from omnirl_core.planning.activations import DenoiserProbe
 from omnirl_plugin_sd35.full_size import TRANSFORMERS, VAE, full_size_components
 
 VAE_SCALE = 8

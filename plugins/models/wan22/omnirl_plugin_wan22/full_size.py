@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from omnirl_core.plan.sizing import check_variant, component_counts, pipeline_training_bytes, published_counts
+from omnirl_core.planning.sizing import (
+    check_variant,
+    component_counts,
+    pipeline_training_bytes,
+    published_counts,
+)
 
 VARIANTS = ("a14b", "ti2v-5b")
 

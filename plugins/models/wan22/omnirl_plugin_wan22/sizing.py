@@ -1,5 +1,5 @@
 """Wan2.2 (T2V-A14B, TI2V-5B) for the memory planner (``omnirl plan``): the full-size architecture on ``meta`` at
-the configured layout, resolution, frames and prompt length. See omnirl_core.plan."""
+the configured layout, resolution, frames and prompt length. See omnirl_core.planning."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from omnirl_core.plan import model as plan
-from omnirl_core.plan.activations import DenoiserProbe
+from omnirl_core.planning import model as plan
+from omnirl_core.planning.activations import DenoiserProbe
 from omnirl_plugin_wan22.full_size import TEXT_ENCODER, TRANSFORMERS, VAES, full_size_components
 
 # (spatial, temporal) VAE compression of each layout's VAE

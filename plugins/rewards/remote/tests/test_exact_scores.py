@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omnirl_plugin_color.reward import ColorMatch
 from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward
 
 from omnirl_core.loop.distributed import free_port
 from omnirl_core.rewards.server import RewardServer
+from omnirl_core.rewards_kit import build_reward
 from omnirl_core.testing.forkserver import run_omnirl
 
 
@@ -52,7 +52,7 @@ def test_the_served_colour_reward_scores_bit_for_bit_as_in_process(serve):
                 torch.rand(3, 40, 24, generator=g)[:, 4:36, :].clone() * 1.2 - 0.1]  # values outside [0, 1]
     prompts = ["a red square", "a green car", "a blue sky", "a yellow cab", "a purple cow", "a gray wall",
                "a white video", "an orange", "a black cat"]
-    color = ColorMatch()
+    color = build_reward("color")[0]  # the installed colour reward, by name
     server = serve(color, "color")
     remote = RemoteReward(RemoteOptions(url=server.url, expect="color", batch_size=4))
     try:

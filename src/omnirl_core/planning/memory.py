@@ -16,20 +16,11 @@ from omnirl_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from omnirl_core.config import RunConfig
-    from omnirl_core.plan.model import ModelSizing
-    from omnirl_core.plan.planner import MemoryPlan
+    from omnirl_core.planning.model import ModelSizing
+    from omnirl_core.planning.planner import MemoryPlan
     from omnirl_core.resolve import ResolvedRun
 
 GIB = 1024**3
-
-
-def rollout_state_bytes(cfg: RunConfig) -> dict[str, int]:
-    r = cfg.rollout
-    samples = r.prompts_per_step * r.group_size
-    pixels = r.height * r.width * (r.num_frames or 1)
-    outputs = samples * 3 * pixels * 4
-    latents = samples * (r.num_steps + 1) * max(pixels // 64, 1) * 16 * 4
-    return {"samples": samples, "outputs": outputs, "trajectories": latents, "total": outputs + latents}
 
 
 def available_host_bytes() -> int | None:
@@ -46,6 +37,8 @@ def available_host_bytes() -> int | None:
 
 def check_rollout_memory(cfg: RunConfig, available: int | None = None) -> dict[str, int]:
     """Refuse a step whose rollout state alone exceeds the host memory available now."""
+    from omnirl_core.planning.planner import rollout_state_bytes
+
     need = rollout_state_bytes(cfg)
     available = available_host_bytes() if available is None else available
     if available is not None and need["total"] > 0.9 * available:
@@ -145,12 +138,12 @@ def check_run_memory(resolved: ResolvedRun, torch_device: str | None) -> MemoryP
     its released architecture while the run loads a preset), the floor of ``check_rollout_memory`` stands in.
     Returns the plan, or None when there is none."""
     from omnirl_core.errors import OmnirlError
-    from omnirl_core.plan.planner import check_fits, load_sizing, plan_memory
+    from omnirl_core.planning.planner import check_fits, load_sizing, plan_memory
 
     resolved = with_device_dtype(resolved, torch_device)
     cfg = resolved.config
     sizing = None
-    if getattr(resolved.model, "sizing", None):
+    if resolved.model.sizing:
         try:
             sizing = load_sizing(resolved)
         except OmnirlError:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omnirl_core.errors import ConfigError, PluginError
-from omnirl_core.plan.model import ModelSizing, model_dtype
+from omnirl_core.planning.model import ModelSizing, model_dtype
 
 if TYPE_CHECKING:
     from omnirl_core.config import RunConfig
@@ -185,7 +185,7 @@ def load_sizing(resolved: ResolvedRun) -> ModelSizing:
 def _activation_bytes(sizing: ModelSizing, config: RunConfig, dtype_bytes: int, checkpointing: bool
                       ) -> tuple[int, int]:
     """(training micro-batch peak, rollout call peak) of the trained network."""
-    from omnirl_core.plan.activations import no_grad_peak, trace_activations, transformer_activation_bytes
+    from omnirl_core.planning.activations import no_grad_peak, trace_activations, transformer_activation_bytes
 
     micro = train_micro_batch(config)
     rollout_batch = rollout_batch_size(config)
@@ -215,7 +215,7 @@ _DECODES: dict[tuple[Any, ...], int] = {}
 def _decode_bytes(sizing: ModelSizing, config: RunConfig) -> int:
     if sizing.decoder is None:
         return 0
-    from omnirl_core.plan.activations import peak_live_bytes, stored
+    from omnirl_core.planning.activations import peak_live_bytes, stored
 
     decoder = sizing.decoder
     one = _DECODES.get(decoder.key) if decoder.key else None
@@ -228,6 +228,16 @@ def _decode_bytes(sizing: ModelSizing, config: RunConfig) -> int:
         if decoder.key:
             _DECODES[decoder.key] = one
     return one * rollout_batch_size(config)  # a decode's intermediates grow with the batch: traced at batch 1
+
+
+def rollout_state_bytes(cfg: RunConfig) -> dict[str, int]:
+    """What a step's samples hold in host memory: decoded outputs (float32) and latent trajectories."""
+    r = cfg.rollout
+    samples = r.prompts_per_step * r.group_size
+    pixels = r.height * r.width * (r.num_frames or 1)
+    outputs = samples * 3 * pixels * 4
+    latents = samples * (r.num_steps + 1) * max(pixels // 64, 1) * 16 * 4
+    return {"samples": samples, "outputs": outputs, "trajectories": latents, "total": outputs + latents}
 
 
 def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing: ModelSizing | None = None,
@@ -308,8 +318,6 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
         notes.append(f"train engine '{resolved.train_engine.name}' does not shard: every one of the {ranks} "
                      "ranks holds everything")
     if device_type == "cpu":
-        from omnirl_core.plan.memory import rollout_state_bytes
-
         groups[1 if split else 0].rows["samples of a step (outputs, trajectories)"] = rollout_state_bytes(cfg)["total"]
     preset = cfg.model.preset
     if preset is not None and sizing.preset != preset:
@@ -351,7 +359,7 @@ def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | N
     if not sizing.lora:
         out.append(("model.lora.enabled=true", {"model": {"lora": {"enabled": True}}}))
     group = cfg.rollout.group_size
-    while group // 2 >= max(2, getattr(resolved.algorithm, "min_group_size", 2)):
+    while group // 2 >= max(2, resolved.algorithm.min_group_size):
         group //= 2
         out.append((f"rollout.group_size={group}", {"rollout": {"group_size": group}}))
     prompts = cfg.rollout.prompts_per_step

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omnirl_core.plan.activations import DenoiserProbe
-from omnirl_core.plan.sizing import checkpoint_numel, component_counts, trainable_numel
+from omnirl_core.planning.activations import DenoiserProbe
+from omnirl_core.planning.sizing import checkpoint_numel, component_counts, trainable_numel
 
 if TYPE_CHECKING:
     import torch
@@ -99,7 +99,7 @@ def on_meta(make: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn
     """``make()``'s module built on the ``meta`` device (no storage) in ``dtype``: what a probe's ``build`` gives."""
     import torch
 
-    from omnirl_core.plan.activations import meta_cast
+    from omnirl_core.planning.activations import meta_cast
 
     with torch.device("meta"):
         return meta_cast(make(), dtype)
