@@ -104,7 +104,9 @@ class Sample:
     cond: Conditioning | None = None
     """Flow: the prompt's conditioning (one row) the rollout's velocity calls used."""
     uncond: Conditioning | None = None
-    """Flow with true CFG: the negative prompt's conditioning (one row); None without CFG."""
+    """Flow with ``guidance_scale`` > 1: the negative prompt's conditioning (one row), which the trainer passes back to
+    ``velocity`` (a model with true CFG runs it as the unconditional branch; embedded guidance ignores it); None at
+    scale 1."""
     prompt_tokens: TokenPrompt | None = None
     """Token models: the ``omnirl_core.ar.sampling.TokenPrompt`` the completion was sampled after."""
     completion: torch.Tensor | None = None
