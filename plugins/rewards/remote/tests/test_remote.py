@@ -22,6 +22,7 @@ import pytest
 import torch
 from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward, RemoteRewardError
 
+from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
 from omnirl_core.loop.distributed import free_port
 from omnirl_core.rewards.server import TOKEN_ENV, RewardServer
@@ -35,7 +36,7 @@ def brightness(outputs, prompts):
             else float(len(o)) for o, p in zip(outputs, prompts)]
 
 
-class Recording:
+class Recording(Reward):
     """Records the batch sizes it was called with; fails on a prompt that says 'fail'. Each sample is scored on
     its own, so the server may merge concurrent requests into one call."""
 

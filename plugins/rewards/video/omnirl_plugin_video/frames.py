@@ -74,10 +74,10 @@ class VideoFrames(Reward):
 
         self.options = o = options or VideoFramesOptions()
         reward, spec = build_reward(o.reward, o.options)
-        self.reward = as_reward(reward)
         if "image" not in spec.modalities and "any" not in spec.modalities:
             raise UsageError(f"video-frames: reward '{o.reward}' scores {' or '.join(spec.modalities)}, not images.",
                              hint="Pick an image reward for rewards.<i>.options.reward (see `omnirl rewards`).")
+        self.reward = as_reward(reward)
         self.uses_inputs = self.reward.uses_inputs
 
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],

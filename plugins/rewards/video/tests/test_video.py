@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import CLIPModel
 
 from omnirl_core import hookimpl
+from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
 from omnirl_core.plugins import PluginManager, set_plugin_manager
 from omnirl_core.registry import RewardSpec
@@ -28,7 +29,7 @@ class LevelOptions(BaseModel):
     scale: float = 1.0
 
 
-class Level:
+class Level(Reward):
     """Mean level of an image times scale, plus the record's bonus; remembers its batch sizes."""
 
     uses_inputs = True
