@@ -109,11 +109,12 @@ class TokenPolicyGradient(Algorithm[TokenModel, SequenceUnit]):
         """Per-token log-probs under the sampling distribution (False) and / or uncut (True), one list per entry
         of ``cuts`` (``TokenModel.token_logprobs_under``: one forward pass for a causal LM)."""
         samples = [u.sample for u in units]
-        prompts = [s.prompt_tokens for s in samples]  # what the model needs of them is the model's own business
+        # passed through as the model takes them (a test double may hold None)
+        prompts: list[Any] = [s.prompt_tokens for s in samples]
         completions = [completion_tokens(s) for s in samples]
         params: list[Any] = [s.sampling for s in samples]
-        distributions = [[untruncated(p) if p is not None else p for p in params] if uncut else params
-                         for uncut in cuts]
+        distributions: list[list[Any]] = [[untruncated(p) if p is not None else p for p in params] if uncut
+                                          else params for uncut in cuts]
         if len(distributions) > 1:
             return model.token_logprobs_under(prompts, completions, distributions)
         return [model.token_logprobs(prompts, completions, distributions[0])]
