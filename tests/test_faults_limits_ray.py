@@ -10,26 +10,12 @@ import textwrap
 
 import pytest
 
+from .ray_local import PREAMBLE
+
 pytest.importorskip("ray")
 pytest.importorskip("psutil")
 
-SCRIPT = textwrap.dedent("""
-    import json, time
-    import psutil
-    from omnirl_core.plugins import PluginManager
-    from omnirl_core.resolve import resolve_run
-    from omnirl_core.loop.ray_executor import RayExecutor
-
-    manager = PluginManager()
-    manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",
-                          "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_color"])
-    resolved = resolve_run(manager, [{"model": {"name": "qwen-image", "preset": "tiny"},
-                                      "algorithm": {"name": "flowgrpo"}, "rewards": [{"name": "color"}],
-                                      "run": {"executor": "ray", "device": "cpu"}}], probe_device=False)
-    executor = RayExecutor(resolved)
-    executor._connect()
-    import ray
-
+SCRIPT = PREAMBLE + textwrap.dedent("""
     ray.get(ray.remote(lambda: 1).remote())  # a worker process too
     me = psutil.Process()
     names = {p.pid: p.name() for p in me.children(recursive=True)}

@@ -28,6 +28,31 @@ QWEN2_SPECIALS = [
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 ]
 QWEN2_VOCAB_SIZE = 151643 + len(QWEN2_SPECIALS)
+# Qwen3's special tokens after the Qwen2 ones, in id order from 151657 (``</think>`` = 151668); Qwen3-Omni appends
+# its audio and speech tokens after these
+QWEN3_SPECIALS = [
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+]
+# The Qwen chat markup (``<|im_start|>ROLE\nCONTENT<|im_end|>\n`` per message, ``<|im_start|>assistant\n`` as
+# the generation prompt). A message's content is a string or a list of items: ``text`` renders its text, ``image``
+# and ``audio`` their start / pad / end tokens (the model repeats the pad token once per encoder output).
+# ``enable_thinking=False`` opens the answer with an empty thinking block, as Qwen3's released template does.
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
 
 
 TINY_IMAGE_DEFAULTS: dict[str, Any] = {
@@ -112,6 +137,15 @@ def qwen2_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen2") -> 
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def qwen3_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen3",
+                    chat_template: str | None = QWEN_CHAT_TEMPLATE) -> Any:
+    """The real Qwen3 tokenizer (Qwen2's vocabulary and specials, then Qwen3's, then ``extra_specials``) with the
+    Qwen chat template, for tiny presets of Qwen3-based text encoders and thinkers. ``name`` keys the cache."""
+    tok = qwen2_tokenizer(extra_specials=[*QWEN3_SPECIALS, *extra_specials], name=name)
+    tok.chat_template = chat_template
+    return tok
+
+
 SMALL_CORPUS = (
     "a photo of a red green blue yellow cyan magenta white black orange purple pink brown grey gray "
     "apple car cat dog house tree flower sky sea mountain city street square circle ball cup chair "
@@ -131,7 +165,8 @@ def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=specials[-1], pad_token=specials[0])
@@ -186,7 +221,8 @@ def clip_tokenizer(vocab_size: int = 512) -> Any:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[bos, eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=[bos, eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
     tk.post_processor = processors.TemplateProcessing(

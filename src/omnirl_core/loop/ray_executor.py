@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omnirl_core.contracts import TRAJECTORY_FIELDS, Executor, GenRequest, Sample
 from omnirl_core.errors import UsageError
+from omnirl_core.loop import ray_watchdog
 from omnirl_core.loop.executors import build_rewards
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.resolve import ResolvedRun
@@ -471,8 +472,11 @@ class RayExecutor(Executor):
         # torch's pools to the CPUs Ray assigned it (threads.configure)
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        before = ray_watchdog.children() if address is None else set()
         ray.init(address=address, include_dashboard=False, dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": env} if env else None)
+        if address is None:  # a local instance of this run's own: stopped with it even after kill -9
+            ray_watchdog.start(before)
         self._started_ray = True
 
     def _pool(self, name: str, bundles: list[dict[str, float]]) -> Any:

@@ -27,7 +27,8 @@ def clip_bpe_tokenizer(vocab_size: int = 512) -> Any:
     tk.normalizer = normalizers.Lowercase()
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tk.train_from_iterator([SMALL_CORPUS] * 4, trainer=trainer)
     tk.add_special_tokens([BOS, EOS])
     tk.post_processor = processors.TemplateProcessing(

@@ -13,38 +13,17 @@ import torch
 
 TINY_VERSION = 3  # bump when the tiny architecture changes (invalidates the on-disk cache)
 
-# Qwen3 / Qwen3-Omni special tokens after the Qwen2 ones, in id order from 151657 (<|audio_pad|> = 151675)
+# Qwen3-Omni's special tokens after Qwen3's, in id order from 151669 (<|audio_pad|> = 151675)
 QWEN3_OMNI_EXTRA_SPECIALS = [
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
     "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>",
     "<|audio_pad|>",
 ]
 VOCAB_SIZE = 152064  # the released thinker's embedding rows (the tokenizer has 151676 tokens)
 
-# Qwen-style chat markup; media items render as their start / pad / end tokens, and the pad token is then
-# repeated once per encoder output by the model plugin
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif item['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 def tiny_tokenizer() -> Any:
-    from omnirl_core.presets import qwen2_tokenizer
+    from omnirl_core.presets import qwen3_tokenizer
 
-    tok = qwen2_tokenizer(extra_specials=QWEN3_OMNI_EXTRA_SPECIALS, name="qwen3-omni")
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return qwen3_tokenizer(extra_specials=QWEN3_OMNI_EXTRA_SPECIALS, name="qwen3-omni")
 
 
 def _mrope_section(head_dim: int) -> list[int]:
