@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward
+from omnirl_core.rewards.client import RemoteOptions, RemoteReward
 
 from omnirl_core.loop.distributed import free_port
 from omnirl_core.rewards.server import RewardServer

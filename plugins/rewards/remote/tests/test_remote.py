@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from omnirl_plugin_remote.reward import RemoteOptions, RemoteReward, RemoteRewardError
+from omnirl_core.rewards.client import RemoteOptions, RemoteReward, RemoteRewardError
 
 from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError

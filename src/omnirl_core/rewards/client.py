@@ -1,4 +1,5 @@
-"""The ``remote`` reward: sends outputs and prompts to a server started with ``omnirl reward serve NAME``.
+"""The reward server's client: sends outputs and prompts to a server started with ``omnirl reward serve NAME``
+(``omnirl_core.rewards.server``); the ``remote`` reward plugin registers it.
 
 Wire format: ``omnirl_core.rewards.wire`` (a safetensors body: the outputs' own tensors, bit for bit; scores
 back as JSON numbers that read back as the same doubles). The server calls its reward as a run calls it in
@@ -22,8 +23,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -98,6 +99,7 @@ class RemoteReward(Reward):
         import httpx
 
         self.options = o = options or RemoteOptions()
+        self.name = "NAME"  # the served reward's, once the server has said it (in messages until then)
         self.url = o.url.rstrip("/")
         self._lock = threading.Lock()
         self._pool: Any = None  # submit's threads (a RewardPool), started on first use
@@ -122,16 +124,14 @@ class RemoteReward(Reward):
                 f"Remote reward: the server at {_safe(self.url)} serves '{self.info.get('reward')}', "
                 f"not '{o.expect}'.", hint="Point rewards.<i>.options.url at the right server, or change expect.")
         self.name = str(self.info.get("reward", "?"))
+        # the served reward's own batch_invariant: the run may then batch the samples that pile up
+        self.batch_invariant = bool(self.info.get("batch_invariant"))
+        self.capacity = o.batch_size  # samples one call should carry: one request's worth
         if "max_body_bytes" not in self.info:
             raise UsageError(
                 f"Remote reward: the server at {_safe(self.url)} speaks the JSON / PNG wire format of an older "
                 "omnirl, which rounds images to 8 bits.",
                 hint="Update omnirl where the server runs (the same version as the run's) and restart it.")
-
-    @property
-    def batch_invariant(self) -> bool:
-        """The served reward's own ``batch_invariant``: the run may then batch the samples that pile up."""
-        return bool(self.info.get("batch_invariant"))
 
     def _request(self, method: str, path: str, body: EncodedRequest | None, retries: int) -> Any:
         import httpx
@@ -142,7 +142,8 @@ class RemoteReward(Reward):
                 if body is None:
                     response = self.client.request(method, self.url + path)
                 else:  # streamed: the tensors' bytes are sent from the tensors themselves
-                    response = self.client.request(method, self.url + path, content=body.chunks(),
+                    chunks = cast("Iterator[bytes]", body.chunks())  # bytes and memoryviews, which httpx writes alike
+                    response = self.client.request(method, self.url + path, content=chunks,
                                                    headers={"Content-Type": CONTENT_TYPE,
                                                             "Content-Length": str(body.length)})
                 if response.status_code == 503 and attempt < retries:  # busy: its connections or memory are taken
@@ -155,7 +156,7 @@ class RemoteReward(Reward):
                     raise RemoteRewardError(
                         f"reward server {_safe(self.url)} is unreachable after {retries + 1} attempt(s) "
                         f"({type(exc).__name__}: {_safe(str(exc)) or 'connection failed'}). If it stopped, restart "
-                        f"it (`omnirl reward serve {getattr(self, 'name', 'NAME')} --port P`) and rerun the same "
+                        f"it (`omnirl reward serve {self.name} --port P`) and rerun the same "
                         "train command: the run resumes from its last checkpoint.") from None
                 time.sleep(wait)
                 wait *= 2
@@ -172,8 +173,8 @@ class RemoteReward(Reward):
             raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code}: {error}")
         return answer
 
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],
-                 inputs: Sequence[Any] | None = None) -> list[float]:
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],  # type: ignore[override]
+                 inputs: Sequence[Any] | None = None) -> list[float]:  # the contract's kwargs: inputs only
         if len(outputs) != len(prompts):
             raise RemoteRewardError(f"{len(outputs)} outputs for {len(prompts)} prompts")
         scores: list[float] = []
@@ -192,11 +193,6 @@ class RemoteReward(Reward):
                 raise RemoteRewardError(f"reward server {_safe(self.url)} answered without a 'scores' list")
             scores += answer["scores"]
         return scores
-
-    @property
-    def capacity(self) -> int:
-        """Samples one call should carry: one request's worth (``batch_size``)."""
-        return self.options.batch_size
 
     def submit(self, outputs: Sequence[Any], prompts: Sequence[str],
                inputs: Sequence[Any] | None = None) -> concurrent.futures.Future:
