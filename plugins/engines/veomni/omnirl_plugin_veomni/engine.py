@@ -12,43 +12,23 @@ snapshot back (parameters and persistent buffers; VeOmni keeps non-persistent on
 ``build_optimizer`` (AdamW, one group with the run's weight decay) over the trainable parameters, and VeOmni's
 FSDP2 ``clip_grad_norm`` for the step.
 
-One training step is the fsdp2 engine's (and so the single-process torch engine's): ``prepare_all`` on every
-rank, minibatches of whole samples, each rank its ``rank_share`` in the same number of micro-batches as the
-busiest rank, agreed rollout-correction fix-ups, the loss scaled by the world size (FSDP averages gradients),
-``finite_update``, ``after_optimizer_step``.
-
-Checkpoints: ``shards/rank-RRRRR-of-WWWWW.safetensors`` (each rank's parameter and AdamW shards),
-``shards/index.json``, and on rank 0 the gathered trained weights in the model's own layout. No pickle.
+The step over ranks and the sharded checkpoint are the core's ``omnirl_core.loop.sharded.ShardedTrainEngine``
+(the fsdp2 engine's too), with VeOmni's FSDP2 ``clip_grad_norm``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
-from omnirl_core.contracts import TrainEngine
 from omnirl_core.loop.distributed import default_backend, ensure_process_group, shard_units
-from omnirl_core.loop.training import (
-    MetricMean,
-    finite_update,
-    minibatches,
-    prepare_all,
-    rank_share,
-    rs_corrections,
-    split_even,
-)
-
-SHARD_DIR = "shards"
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+from omnirl_core.loop.sharded import ShardedTrainEngine, full, local
 
 
 class VeOmniOptions(BaseModel):
@@ -83,34 +63,25 @@ class VeOmniOptions(BaseModel):
     shuffle: bool = Field(True, description="Shuffle units (seeded by step) before splitting into minibatches.")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _restore_into(module: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -> Callable[[], None]:
     """An ``init_weights`` for VeOmni's materialisation: each rank's shard of the weights the module held."""
 
     def init_weights() -> None:
         with torch.no_grad():
             for name, param in module.named_parameters():
-                full = snapshot[name]
+                whole = snapshot[name]
                 if isinstance(param, DTensor):  # each rank slices its own shard: no communication
-                    full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                    whole = distribute_tensor(whole.to(param.device), param.device_mesh, param.placements,
                                              src_data_rank=None).to_local()
-                _local(param).copy_(full)
+                local(param).copy_(whole)
             for name, buffer in module.named_buffers():
                 if name in snapshot:
-                    _local(buffer).copy_(snapshot[name])
+                    local(buffer).copy_(snapshot[name])
 
     return init_weights
 
 
-class VeOmniTrainEngine(TrainEngine):
-    distributed = True
+class VeOmniTrainEngine(ShardedTrainEngine):
 
     def __init__(self, model: Any, train: TrainSection, options: VeOmniOptions | None, device: Any):
         from veomni.arguments.arguments_types import MixedPrecisionConfig
@@ -121,6 +92,7 @@ class VeOmniTrainEngine(TrainEngine):
         self.model = model
         self.train = train
         self.options = options or VeOmniOptions()
+        self.shuffle = self.options.shuffle
         if self.options.ulysses_size != 1:
             raise NotImplementedError(
                 "veomni engine: ulysses_size > 1 needs a model that calls VeOmni's sequence-parallel attention "
@@ -178,120 +150,8 @@ class VeOmniTrainEngine(TrainEngine):
         if wrapped is not module:  # fully_shard works in place; DDP / TP would return another object
             raise RuntimeError(f"VeOmni returned a {type(wrapped).__name__} in place of the module")
 
-    # -- update --------------------------------------------------------------------------------
-    def update(self, algorithm: Any, units: list[Any], step: int,
-               reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
-        """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
+    def clip_grad_norm(self) -> float:
+        # VeOmni's FSDP2 clipping: the norm over every rank's shards, the same number on every rank
         from veomni.distributed.fsdp2 import clip_grad_norm
 
-        metrics = MetricMean()
-        mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.model, units, mbs, metrics, reference)
-        for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
-            self.optimizer.zero_grad(set_to_none=True)
-            mine = rank_share(minibatch, self.rank, self.world_size)
-            # every rank runs as many micro-batches as the busiest one: FSDP's collectives must pair up
-            busiest = max(len(rank_share(minibatch, r, self.world_size)) for r in range(self.world_size))
-            for micro in split_even(mine, -(-busiest // mbs)):
-                loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)
-                metrics.add({"loss": float(loss.detach()), **m}, len(micro))  # an empty share: names only
-            fix = rs_corrections(algorithm, mine, metrics, filler=minibatch[:1])
-            count = torch.tensor([-(-len(fix) // mbs)], dtype=torch.int64, device=self.comm_device)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            for micro in split_even(fix, int(count.item())):
-                self._backward(algorithm, micro, minibatch, correction=True)
-            # VeOmni's FSDP2 clipping: the norm over every rank's shards, the same decision on every rank
-            grad_norm = float(_full(clip_grad_norm(self.container, self.train.max_grad_norm)))
-            if finite_update(grad_norm, [], step, index, self.train.nonfinite, metrics):
-                metrics.add({"grad_norm": grad_norm}, 1.0 / self.world_size)
-                self.optimizer.step()
-                algorithm.after_optimizer_step(self.model)  # e.g. FlowGRPO's EMA of the weights
-            self.optimizer.zero_grad(set_to_none=True)
-        metrics.all_reduce(self.comm_device)
-        return metrics.result()
-
-    def _backward(self, algorithm: Any, micro: list[Any], minibatch: list[Any], **kwargs: Any):
-        loss, m = algorithm.loss(self.model, micro or minibatch[:1], **kwargs)
-        # FSDP averages gradients over ranks: scale by the world size so they sum, like one process
-        (loss * (len(micro) / len(minibatch) * self.world_size)).backward()
-        return loss, m
-
-    # -- weights for sync and export -----------------------------------------------------------
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """The trained weights as full CPU tensors (LoRA only when training LoRA). Collective."""
-        return {k: _full(v).detach().cpu().contiguous() for k, v in self.model.trained_state_dict().items()}
-
-    # -- sharded checkpoints (the fsdp2 engine's layout) ---------------------------------------
-    def _shard_file(self, directory: Path, rank: int, world: int) -> Path:
-        return directory / SHARD_DIR / f"rank-{rank:05d}-of-{world:05d}.safetensors"
-
-    def save_state(self, directory: Path, rank: int) -> list[str]:
-        """Every rank writes its shard of the parameters and optimizer state; rank 0 also writes the gathered
-        trained weights in the model's own layout. Collective."""
-        files = self._save_shards(Path(directory))
-        full = self.trained_state()
-        if rank == 0:
-            files += self.model.save_trained(directory, state=full)
-        return files
-
-    def load_state(self, directory: Path) -> None:
-        self._load_shards(Path(directory))
-
-    def _save_shards(self, directory: Path) -> list[str]:
-        (directory / SHARD_DIR).mkdir(parents=True, exist_ok=True)
-        tensors: dict[str, torch.Tensor] = {}
-        for name, param in self.named_params:
-            tensors[f"param/{name}"] = _local(param.detach()).cpu().contiguous()
-            for key, value in self.optimizer.state.get(param, {}).items():
-                if torch.is_tensor(value):
-                    tensors[f"optim/{name}/{key}"] = _local(value).detach().cpu().contiguous()
-        save_file(tensors, str(self._shard_file(directory, self.rank, self.world_size)))
-        if self.rank == 0:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            index = {"world_size": self.world_size, "param_groups": groups,
-                     "shapes": {n: list(p.shape) for n, p in self.named_params}}
-            (directory / SHARD_DIR / "index.json").write_text(json.dumps(index, indent=2))
-        dist.barrier()
-        return [f"{SHARD_DIR}/"]
-
-    def _load_shards(self, directory: Path) -> None:
-        index = json.loads((directory / SHARD_DIR / "index.json").read_text())
-        saved_world = int(index["world_size"])
-        pieces: dict[str, list[torch.Tensor]] = {}
-        if saved_world == self.world_size:
-            pieces = {k: [v] for k, v in load_file(str(self._shard_file(directory, self.rank, saved_world))).items()}
-        else:  # rebuild each full tensor from every rank's shard (dim-0 chunks), then redistribute
-            for r in range(saved_world):
-                for k, v in load_file(str(self._shard_file(directory, r, saved_world))).items():
-                    pieces.setdefault(k, []).append(v)
-        for name, param in self.named_params:
-            if f"param/{name}" not in pieces:
-                raise ValueError(f"checkpoint {directory} has no shard for parameter '{name}'")
-            with torch.no_grad():
-                _local(param).copy_(self._placed(pieces[f"param/{name}"], param, saved_world))
-            state = {}
-            for key in OPTIM_KEYS:
-                parts = pieces.get(f"optim/{name}/{key}")
-                if parts is None:
-                    continue
-                if key == "step":  # a replicated scalar
-                    state[key] = parts[0].clone()
-                else:
-                    state[key] = self._as_param_layout(self._placed(parts, param, saved_world), param)
-            if state:
-                self.optimizer.state[param] = state
-        for group, saved in zip(self.optimizer.param_groups, index["param_groups"]):
-            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-
-    def _placed(self, parts: list[torch.Tensor], param: torch.Tensor, saved_world: int) -> torch.Tensor:
-        """This rank's local piece of a parameter-shaped tensor saved as ``parts``."""
-        if saved_world == self.world_size or not isinstance(param, DTensor):
-            return parts[0] if saved_world == self.world_size else torch.cat(parts, dim=0)
-        full = torch.cat(parts, dim=0).to(param.device)
-        return distribute_tensor(full, param.device_mesh, param.placements).to_local()
-
-    def _as_param_layout(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        if isinstance(param, DTensor):
-            return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements,
-                                      run_check=False, shape=param.shape, stride=param.stride())
-        return local.to(param.device)
+        return float(full(clip_grad_norm(self.container, self.train.max_grad_norm)))
