@@ -93,7 +93,7 @@ def test_split_column_test_file_and_builtin_sets(tmp_path: Path):
     assert len(data.train) == 10 and [r["prompt"] for r in data.test] == ["held out one", "held out two"]
     with pytest.raises(ConfigError, match="already has a test set"):
         load_data(_data(prompts=str(path), test_fraction=0.5))
-    assert builtin_sets() == ["colors", "composition", "counting", "text"]
+    assert builtin_sets() == ["colors", "composition", "counting", "edits", "text"]
     for name in builtin_sets():
         data = load_data(_data(prompts=f"builtin:{name}"))
         assert len(data.train) + len(data.test) >= 250 and len(data.test) >= 40, name
@@ -111,6 +111,12 @@ def test_shipped_sets_are_what_the_generator_writes():
     spec.loader.exec_module(module)
     for name in module.SETS:
         assert (folder / f"{name}.jsonl").read_text() == module.render(name), name
+    import numpy as np
+    from PIL import Image
+
+    for record in module.edits():  # the pictures and masks, pixel for pixel (PNG bytes follow the zlib version)
+        for drawn, name in zip(module.draw_edit(record), ("image", "mask")):
+            assert np.array_equal(np.asarray(Image.open(folder / record[name])), np.asarray(drawn)), record[name]
 
 
 BASE = ["train", "--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny"]

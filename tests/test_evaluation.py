@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from omnirl_core.loop.evaluation import EvalResult, compare, eval_seed, ode_plan
+from omnirl_core.testing import screenshot
 
 from .conftest import run_cli
 
@@ -104,14 +104,9 @@ def test_report_is_one_self_contained_page_with_the_curves(run: Path, tmp_path: 
         assert title in page
     assert page.count("data:image/png;base64,") >= 3  # two sample grids, the evaluation grid
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing to fetch
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium is not installed (apt-get install chromium): the page was not rendered")
     shot = tmp_path / "report.png"
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--disable-component-update", "--disable-sync", "--no-first-run", f"--screenshot={shot}",
-                    "--window-size=1200,1600", (tmp_path / "report.html").as_uri()],
-                   capture_output=True, timeout=120, check=False, cwd=tmp_path)
+    if not screenshot(tmp_path / "report.html", shot):
+        pytest.skip("chromium is not installed (apt-get install chromium): the page was not rendered")
     image = Image.open(shot).convert("RGB")
     # the curves' blue (#2f6fd0) is drawn: lines and points of the charts
     blue = sum(1 for p in image.getdata() if abs(p[0] - 0x2F) < 12 and abs(p[1] - 0x6F) < 12 and abs(p[2] - 0xD0) < 12)

@@ -139,8 +139,9 @@ StepsOpt = typer.Option(None, "--steps", help="Training steps.")
 DeviceOpt = typer.Option(None, "--device", help="auto, cpu, cuda, ...")
 SeedOpt = typer.Option(None, "--seed", help="Run seed.")
 ExecutorOpt = typer.Option(None, "--executor", help="inline (this process) or ray (Ray actors).")
-RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster address (with --executor ray); default: "
-                             "start a local Ray instance.")
+RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to join with --executor ray: auto (this "
+                             "machine's cluster) or HOST:PORT (the head's GCS); default: RAY_ADDRESS if set, else a "
+                             "local Ray instance. Placement over its nodes: run.ray_pools (docs/CLUSTER.md).")
 DryRunOpt = typer.Option(False, "--dry-run", help="Resolve and validate, print the plan, touch no device.")
 
 

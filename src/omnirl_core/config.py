@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from omnirl_core.errors import ConfigError, did_you_mean
 
@@ -154,6 +154,36 @@ class DataSection(Section):
     dataset_config: str | None = Field(None, description="Configuration name for hf:NAME datasets.")
 
 
+RAY_RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray resources a worker group's ``resources`` may not name: CPUs and devices come from ``run.worker_cpus`` and the
+device, memory is not reserved per group, and a node is picked with ``node``."""
+
+
+class RayPoolConfig(Section):
+    """Where one worker group's Ray actors go (``run.ray_pools.<group>``): one placement group per worker group."""
+
+    strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="How the group's workers spread over nodes (Ray's placement-group strategies): pack "
+        "(as few nodes as possible), spread (as many as possible), strict_pack (all on one node, or fail), "
+        "strict_spread (each worker on a node of its own, or fail: FSDP2 ranks over several nodes).")
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="Custom Ray resources each worker of the group reserves; only the nodes "
+        "that have them (`ray start --resources '{\"rollout\": 1}'`) take the group. 0.001 selects those nodes "
+        "without counting against what they have.")
+    node: str | None = Field(
+        None, description="Put every worker of the group on one node: its IP address (Ray's node:<ip> resource) "
+        "or 'head'. On a machine that runs several Ray nodes they share its IP: select with resources instead.")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        reserved = sorted(k for k in value if k in RAY_RESERVED_RESOURCES or k.startswith("node:"))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be selected here: CPUs come from run.worker_cpus, devices "
+                             "from run.device, and a node is picked with 'node'")
+        return value
+
+
 class RunSection(Section):
     steps: int = Field(100, ge=1, description="Training steps.")
     seed: int = Field(0, description="Seed of prompts, noise and initialisation.")
@@ -163,7 +193,14 @@ class RunSection(Section):
         "inline", description="Where worker groups run: 'inline' (this process, threads) or 'ray' (Ray actors)."
     )
     ray_address: str | None = Field(
-        None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts a local Ray instance."
+        None, description="Ray cluster to join: 'auto' (the cluster this machine's Ray runs) or HOST:PORT (its GCS). "
+        "None: the cluster RAY_ADDRESS names, else a local Ray instance. Not ray:// (Ray Client cannot stream a "
+        "rollout): run the driver on a node of the cluster, or submit it as a Ray job."
+    )
+    ray_pools: dict[Literal["train", "rollout", "reference", "reward"], RayPoolConfig] = Field(
+        default_factory=dict, description="Ray: where each worker group's actors go (train, rollout, reference, "
+        "reward): a placement strategy and the nodes that may take them (custom resources or a node's address). "
+        "A group without an entry packs its workers anywhere.",
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",
@@ -192,8 +229,10 @@ class RunSection(Section):
         default_factory=dict,
         description="Ray: a runtime environment per worker group (train, rollout, reference, reward), Ray's "
         "runtime_env keys: py_executable (another interpreter), pip or uv (packages Ray installs for the group), "
-        "env_vars; or environment: NAME, the interpreter of an environment `omnirl env build NAME` built. The "
-        "group's interpreter must have omnirl and the run's plugins. (Engines with their own environments, "
+        "env_vars, working_dir or py_modules (code Ray ships to the group's nodes; plugins as wheels, so that the "
+        "version check at start sees their versions); or environment: NAME, the interpreter of an environment "
+        "`omnirl env build NAME` built. The group's interpreter must have omnirl and the run's plugins, at the "
+        "driver's versions. (Engines with their own environments, "
         "vllm and vllm-omni, start their servers there by themselves, inline and under Ray alike.)",
     )
     reward_mode: Literal["async", "sync"] = Field(

@@ -84,7 +84,8 @@ FIRST_PARTY = frozenset({
     "omnirl-plugin-answer-match", "omnirl-plugin-clipscore", "omnirl-plugin-pickscore", "omnirl-plugin-aesthetic",
     "omnirl-plugin-hpsv2", "omnirl-plugin-imagereward", "omnirl-plugin-remote",
     "omnirl-plugin-geneval", "omnirl-plugin-video", "omnirl-plugin-bagel", "omnirl-plugin-vllm-omni", "omnirl-plugin-vllm", "omnirl-plugin-veomni",
-    "omnirl-plugin-flux",
+    "omnirl-plugin-megatron",
+    "omnirl-plugin-flux", "omnirl-plugin-qwen-image-edit", "omnirl-plugin-edit-consistency",
     "omnirl-plugin-tensorboard", "omnirl-plugin-wandb",
 })
 """Distributions of this repository: an unqualified name that a third-party plugin registers too resolves to

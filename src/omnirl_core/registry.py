@@ -148,10 +148,14 @@ class EngineSpec(ComponentSpec):
     batch_option: str = ""
     """A rollout engine's option that caps how many samples one model call batches (``omnirl plan`` suggests
     lowering it when a rollout does not fit); empty: the engine has none."""
+    parallel: dict[str, str] = field(default_factory=dict)
+    """A train engine's kinds of parallelism over its ranks (``data``, ``tensor``, ``expert``, ``sequence``, ...),
+    each with the engine option that sets its degree (empty: what the other degrees leave of
+    ``run.train_workers``); empty: none declared."""
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "roles": sorted(self.roles), "devices": sorted(self.devices),
-                "shards": self.shards}
+                "shards": self.shards, "parallel": dict(self.parallel)}
 
 
 @dataclass

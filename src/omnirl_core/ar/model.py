@@ -95,6 +95,11 @@ class CausalLMPolicy(TokenModel):
         """Last hidden states (B, L, H) of the decoder; logits are then taken only where they are needed."""
         return self.module.base_model(**inputs, use_cache=False)[0]  # type: ignore[operator]  # transformers' model
 
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (N, V) of hidden states (N, H): the output head. ``hidden_states`` and this are
+        the two calls scoring makes, so a train engine that runs the decoder itself (megatron's) overrides both."""
+        return self.module.get_output_embeddings()(hidden)  # type: ignore[operator]  # transformers' model
+
     def token_logprobs(self, prompts: Sequence[TokenPrompt], completions: Sequence[torch.Tensor],
                        params: Sequence[SamplingParams]) -> list[torch.Tensor]:
         """Log-probs of the given completion tokens under the current weights and each row's sampling
@@ -114,7 +119,7 @@ class CausalLMPolicy(TokenModel):
             rows += [i] * len(c)
             cols += list(range(start, start + len(c)))
         h = hidden[torch.tensor(rows, device=hidden.device), torch.tensor(cols, device=hidden.device)]
-        logits = self.module.get_output_embeddings()(h)  # type: ignore[operator]  # transformers' model
+        logits = self.output_logits(h)
         tokens = torch.cat([c for c in completions]).to(logits.device)
         results = []
         for params in distributions:

@@ -4,7 +4,7 @@ batch of conditioning. Plain data; torch is imported lazily by the types that ho
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,27 @@ class GenRequest:
     """The prompt's data record besides the text: media paths (``image``, ``audio``) for models that read
     them, reference answers for rewards that compare against one (see ``omnirl_core.data.sources``)."""
 
+    @property
+    def condition_images(self) -> tuple[str, ...]:
+        """The prompt's condition images (an edit's source, reference pictures), in order: the paths in its
+        record's ``image`` field (one path or a list; the data layer makes them absolute and checks they open);
+        () for a text-only prompt. An image-conditioned flow model (``FlowModel.condition_images`` > 0) encodes
+        them with the prompt; a reward that compares against the source reads them
+        (``omnirl_core.rewards_kit.sources``)."""
+        return condition_paths(self.inputs.get(CONDITION_IMAGE_FIELD))
+
+
+CONDITION_IMAGE_FIELD = "image"
+"""The prompt-record field that holds a prompt's condition images (a path or a list of paths)."""
+
+
+def condition_paths(value: object) -> tuple[str, ...]:
+    """A record's ``image`` value (None, one path or a list of paths) as a tuple of paths."""
+    if value is None or value == "":
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(str(v) for v in items if v not in (None, ""))
+
 
 TRAJECTORY_FIELDS = ("latents", "sigmas", "logprobs", "cond", "uncond", "prompt_tokens", "completion", "sampling")
 """The ``Sample`` fields that make up its trajectory: what a worker keeps and the update reads."""
@@ -106,7 +127,8 @@ class Sample:
     uncond: Conditioning | None = None
     """Flow with ``guidance_scale`` > 1: the negative prompt's conditioning (one row), which the trainer passes back to
     ``velocity`` (a model with true CFG runs it as the unconditional branch; embedded guidance ignores it); None at
-    scale 1."""
+    scale 1. With condition images, the negative prompt encoded with the same images (their latents included), as
+    the editing pipelines' unconditional branch sees them."""
     prompt_tokens: TokenPrompt | None = None
     """Token models: the ``omnirl_core.ar.sampling.TokenPrompt`` the completion was sampled after."""
     completion: torch.Tensor | None = None
@@ -121,36 +143,55 @@ class Sample:
     def prompt(self) -> str:
         return self.request.prompt
 
+    @property
+    def condition_images(self) -> tuple[str, ...]:
+        """The request's condition images (``GenRequest.condition_images``): an edit's source."""
+        return self.request.condition_images
+
 
 @dataclass
 class Conditioning:
     """A batch of model conditioning: tensors with the batch on dim 0.
 
     Tensors named in ``pad_keys`` are sequences (dim 1) padded with zeros when batches are concatenated
-    (their masks, also in ``pad_keys``, pad with zeros = "not a token").
+    (their masks, also in ``pad_keys``, pad with zeros = "not a token"). ``layout`` is structure every row shares
+    that no tensor shape tells (an editing model's condition-image latent grids: their token counts alone do not
+    place them); rows concatenate only with equal layouts.
     """
 
     tensors: dict[str, torch.Tensor]
     pad_keys: tuple[str, ...] = ()
+    layout: Hashable = None
 
     def __len__(self) -> int:
         return next(iter(self.tensors.values())).shape[0]
+
+    @property
+    def signature(self) -> Hashable:
+        """What rows must share to be concatenated (``cat``) into one batch: every tensor's name, the per-row shape
+        of those not padded (None for the padded sequences, whose lengths may differ), and the ``layout``. A
+        text-to-image model's rows all share one; an editing model's condition images make it follow their sizes."""
+        shapes = tuple(sorted((k, None if k in self.pad_keys else tuple(v.shape[1:])) for k, v in self.tensors.items()))
+        return shapes, self.layout
 
     def select(self, index: Sequence[int]) -> Conditioning:
         import torch
 
         idx = torch.as_tensor(list(index), dtype=torch.long)
         return Conditioning({k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()},
-                            self.pad_keys)
+                            self.pad_keys, self.layout)
 
     def to(self, device: torch.device | str) -> Conditioning:
-        return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, self.pad_keys)
+        return Conditioning({k: v.to(device) for k, v in self.tensors.items()}, self.pad_keys, self.layout)
 
     @staticmethod
     def cat(items: Sequence[Conditioning]) -> Conditioning:
         import torch
 
         first = items[0]
+        if any(c.layout != first.layout for c in items):
+            raise ValueError(f"conditionings of different layouts cannot share a batch: "
+                             f"{sorted({repr(c.layout) for c in items})}")
         out = {}
         for key in first.tensors:
             parts = [c.tensors[key] for c in items]
@@ -162,4 +203,4 @@ class Conditioning:
                     for p in parts
                 ]
             out[key] = torch.cat(parts, dim=0)
-        return Conditioning(out, first.pad_keys)
+        return Conditioning(out, first.pad_keys, first.layout)

@@ -11,7 +11,7 @@ method that does nothing), so the runtime calls it on every model and never asks
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,9 +106,31 @@ class FlowModel(PolicyModel):
     encodes_images: bool = False
     """Whether ``encode_images`` is implemented (offline preference data: Diffusion-DPO's image pairs)."""
 
+    condition_images: int = 0
+    """How many condition images (an edit's source, reference pictures: ``GenRequest.condition_images``) one prompt
+    may carry: 0 for a text-to-image model; 1 for an editing model (Qwen-Image-Edit, FLUX.1 Kontext), more for a
+    multi-image one (Qwen-Image-Edit-Plus). Where > 0, ``encode_with_images`` and ``condition_key`` are
+    implemented, and the spec declares the ``image-input`` capability."""
+
     @abstractmethod
     def encode(self, prompts: list[str]) -> Conditioning:
         """Conditioning for a batch of prompts (cacheable per prompt while the text encoder is unchanged)."""
+
+    def encode_with_images(self, prompts: list[str], images: Sequence[Sequence[str]]) -> list[Conditioning]:
+        """One-row conditioning per prompt with its condition images (``images[i]``: prompt i's paths, possibly
+        none): the text conditioning (a vision-language encoder sees the images too) and the images' latents that
+        ``velocity`` reads beside the noisy ones, their grids as the ``Conditioning.layout`` (rows of other layouts
+        cannot be concatenated, hence a list). Deterministic, and cacheable per (prompt, images): it is the same for
+        every sample of a group and every step, so the rollout encodes it once per group and the trainer
+        re-evaluates with the rollout's own (``Sample.cond``). Only where ``condition_images`` > 0."""
+        raise NotImplementedError(f"{type(self).__name__} takes no condition images (condition_images is 0)")
+
+    def condition_key(self, request: GenRequest) -> Hashable:
+        """What requests must share, besides their latent shape and guidance scale, to run in one ``velocity`` call:
+        an editing model's condition-image latent grids, found from its images' sizes without encoding them. It
+        equals the ``Conditioning.layout`` of the request's encoding (the rollout engines bucket requests by it
+        before they encode). None for a model without condition images."""
+        return None
 
     @abstractmethod
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:

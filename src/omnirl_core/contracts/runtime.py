@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omnirl_core.contracts.data import GenRequest, Sample
@@ -63,6 +63,11 @@ class Executor(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the workers and release what they hold."""
+
+    def runtime(self) -> dict[str, Any]:
+        """Facts of this invocation for ``runtime.json`` once ``setup`` has placed the workers (the Ray executor: the
+        cluster and the node of every actor). Nothing by default."""
+        return {}
 
 
 class Tracker(ABC):

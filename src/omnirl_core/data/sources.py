@@ -13,7 +13,10 @@ Sources (``data.prompts``, ``data.test_prompts``):
 
 A record may carry more than the prompt: media for models that read them (``image``, ``audio``, ``video``: a
 path or a list of paths, relative to the file's directory) and whatever a reward compares against (e.g.
-``answer``, ``text``, ``count``). They reach the rollout and the rewards as ``GenRequest.inputs``.
+``answer``, ``text``, ``count``, an edit's ``mask``). They reach the rollout and the rewards as
+``GenRequest.inputs``. ``image`` holds a prompt's condition images (an edit's source; ``data.images``): each is
+checked when the data is read (a missing or unreadable file is an error naming ``file:line``), and images a dataset
+holds (a Hugging Face ``Image`` feature, Parquet image bytes) are written to the cache and named by path.
 
 The split, first that applies: ``data.test_prompts`` (a second source) is the test set; a dataset with named
 splits (``data.train_split`` / ``data.test_split``), or records with a split column (``data.split_column``)
@@ -33,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnirl_core.data.images import condition_field
 from omnirl_core.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -41,7 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnirl")
 
-MEDIA_KEYS = ("image", "audio", "video")
+MEDIA_KEYS = ("image", "audio", "video", "mask")
+"""Record fields that hold paths relative to the data file (``mask``: the region an edit may change, for rewards)."""
 BUILTIN = "builtin:"
 HF = "hf:"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")
@@ -54,8 +59,9 @@ class NoPromptsError(ConfigError):
     """No prompt source at all: data.prompts unset and no reward suggests prompts."""
 
 
-def _media_paths(record: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Media paths relative to the data file's directory, made absolute (URLs and absolute paths kept)."""
+def _media_paths(record: dict[str, Any], base: Path, where: str) -> dict[str, Any]:
+    """Media paths relative to the data file's directory, made absolute (URLs and absolute paths kept); condition
+    images (``image``) checked, ``where`` naming the record in errors (``data.images``)."""
 
     def fix(value: object) -> object:
         if isinstance(value, list):
@@ -64,7 +70,7 @@ def _media_paths(record: dict[str, Any], base: Path) -> dict[str, Any]:
             return str(base / value)
         return value
 
-    return {k: fix(v) if k in MEDIA_KEYS else v for k, v in record.items()}
+    return condition_field({k: fix(v) if k in MEDIA_KEYS else v for k, v in record.items()}, where)
 
 
 def _check_prompt(record: dict[str, Any], where: str, column: str = "prompt") -> None:
@@ -121,7 +127,7 @@ def _read_jsonl(path: Path, column: str) -> Records:
             raise ConfigError(f"{path}:{n}: expected a JSON object with a '{column}' key, got "
                               f"{type(record).__name__}.")
         _check_prompt(record, f"{path}:{n}", column)
-        records.append(_media_paths(record, path.parent))
+        records.append(_media_paths(record, path.parent, f"{path}:{n}"))
     return records
 
 
@@ -139,7 +145,7 @@ def _read_json(path: Path, column: str) -> Records:
         if not isinstance(record, dict):
             raise ConfigError(f"{path}: item {n}: expected an object or a string, got {type(item).__name__}.")
         _check_prompt(record, f"{path}: item {n}", column)
-        records.append(_media_paths(record, path.parent))
+        records.append(_media_paths(record, path.parent, f"{path}: item {n}"))
     return records
 
 
@@ -161,7 +167,7 @@ def _read_csv(path: Path, column: str) -> Records:
                                   f"{len(row)}.", hint="Quote fields that contain the delimiter (\"a, b\").")
             record = dict(zip(header, row))
             _check_prompt(record, f"{path}:{reader.line_num}", column)
-            records.append(_media_paths(record, path.parent))
+            records.append(_media_paths(record, path.parent, f"{path}:{reader.line_num}"))
     except csv.Error as exc:
         raise ConfigError(f"{path}:{reader.line_num}: not valid CSV ({exc}).") from None
     return records
@@ -177,7 +183,7 @@ def _read_parquet(path: Path) -> Records:
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
         raise ConfigError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc}).") from None
-    return [_media_paths(r, path.parent) for r in table.to_pylist()]
+    return [_media_paths(r, path.parent, f"{path}: row {n + 1}") for n, r in enumerate(table.to_pylist())]
 
 
 def _datasets():
@@ -189,19 +195,22 @@ def _datasets():
     return datasets
 
 
-def _from_hf(data: Any) -> Records | dict[str, Records]:
+def _from_hf(data: Any, where: str) -> Records | dict[str, Records]:
+    """A dataset's records (per named split for a DatasetDict), ``image`` features written to the image cache."""
     if isinstance(data, dict):  # a DatasetDict: records per named split
-        return {name: list(split) for name, split in data.items()}
-    return list(data)
+        return {name: [condition_field(r, f"{where} [{name}] record {n + 1}") for n, r in enumerate(split)]
+                for name, split in data.items()}
+    return [condition_field(r, f"{where} record {n + 1}") for n, r in enumerate(data)]
 
 
 def _read_hf_disk(path: Path) -> Records | dict[str, Records]:
     datasets = _datasets()
     try:
-        return _from_hf(datasets.load_from_disk(str(path)))
+        data = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds for a damaged directory
         raise ConfigError(f"{path}: cannot load the Hugging Face dataset ({type(exc).__name__}: {exc}).",
                           hint="Write it with Dataset.save_to_disk / DatasetDict.save_to_disk.") from None
+    return _from_hf(data, str(path))
 
 
 def _offline() -> bool:
@@ -212,7 +221,7 @@ def _offline() -> bool:
 def _read_hf_name(name: str, config: str | None) -> Records | dict[str, Records]:
     datasets = _datasets()
     try:
-        return _from_hf(datasets.load_dataset(name, config))
+        data = datasets.load_dataset(name, config)
     except Exception as exc:  # noqa: BLE001 - network, cache and format errors alike reach the user
         if _offline():
             hint = ("HF_HUB_OFFLINE is set, so only the local cache is used: download the dataset once with the "
@@ -222,6 +231,7 @@ def _read_hf_name(name: str, config: str | None) -> Records | dict[str, Records]
                     "use the local cache, or point data.prompts at a local copy.")
         raise ConfigError(f"Cannot load the dataset '{name}' with datasets.load_dataset: "
                           f"{type(exc).__name__}: {str(exc)[:300]}", hint=hint) from None
+    return _from_hf(data, f"{HF}{name}")
 
 
 def read_source(source: str | list[Any], column: str = "prompt", where: str = "data.prompts",
@@ -232,6 +242,7 @@ def read_source(source: str | list[Any], column: str = "prompt", where: str = "d
         records = [dict(p) if isinstance(p, dict) else {column: p} for p in source]
         for n, record in enumerate(records):
             _check_prompt(record, f"{where}[{n}]", column)
+            records[n] = condition_field(record, f"{where}[{n}]")
         return records
     if source.startswith(BUILTIN):
         return _read_jsonl(_builtin_path(source[len(BUILTIN):]), "prompt")

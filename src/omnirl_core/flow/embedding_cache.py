@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from omnirl_core.contracts import Conditioning, FlowModel
 
+Key = str | tuple[str, tuple[str, ...]]
+"""A cache entry's key: the prompt, or (prompt, its condition images)."""
+
 
 def text_encoder_version(model: FlowModel) -> int:
     """The model's text-encoder version counter (``PolicyModel.text_encoder_version``: 0 for a model that never
@@ -44,7 +47,7 @@ def trim_padding(cond: Conditioning) -> Conditioning:
     # a Ray actor) the whole padded storage
     return Conditioning(
         {k: v[:, :length].clone() if k in cond.pad_keys else v for k, v in cond.tensors.items()},
-        cond.pad_keys,
+        cond.pad_keys, cond.layout,
     )
 
 
@@ -76,7 +79,7 @@ class EmbeddingCache:
         self.model = model
         self.max_entries = max_entries
         self.stats = EncodeStats()
-        self._entries: OrderedDict[str, Conditioning] = OrderedDict()
+        self._entries: OrderedDict[Key, Conditioning] = OrderedDict()
         self._version = text_encoder_version(model)
 
     def __len__(self) -> int:
@@ -87,35 +90,42 @@ class EmbeddingCache:
         self._entries.clear()
         self.stats.invalidations += 1
 
-    def lookup(self, prompts: Sequence[str]) -> list[Conditioning]:
-        """One-row conditioning per prompt, in order; missing prompts are encoded in a single call."""
+    def lookup(self, prompts: Sequence[str], images: Sequence[tuple[str, ...]] | None = None) -> list[Conditioning]:
+        """One-row conditioning per prompt, in order; missing prompts are encoded in a single call. ``images``: each
+        prompt's condition images (``GenRequest.condition_images``) for a model that takes them; an entry is then
+        kept per (prompt, images), shared by a group's samples."""
         if not prompts:
             return []
+        keys: list[Key] = list(prompts) if images is None else [(p, tuple(i)) for p, i in zip(prompts, images)]
         if self.max_entries == 0:
-            return self._encode(list(prompts))
+            return self._encode(keys)
         version = text_encoder_version(self.model)
         if version != self._version:
             self.invalidate()
             self._version = version
-        found: dict[str, Conditioning] = {}
-        for p in dict.fromkeys(prompts):
+        found: dict[Key, Conditioning] = {}
+        for p in dict.fromkeys(keys):
             if p in self._entries:
                 self._entries.move_to_end(p)
                 found[p] = self._entries[p]
-        self.stats.hits += sum(p in found for p in prompts)
-        missing = [p for p in dict.fromkeys(prompts) if p not in found]
+        self.stats.hits += sum(p in found for p in keys)
+        missing = [p for p in dict.fromkeys(keys) if p not in found]
         if missing:
             for p, cond in zip(missing, self._encode(missing)):
                 found[p] = self._entries[p] = cond
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
-        return [found[p] for p in prompts]
+        return [found[p] for p in keys]
 
-    def _encode(self, prompts: list[str]) -> list[Conditioning]:
+    def _encode(self, keys: list[Key]) -> list[Conditioning]:
         start = time.perf_counter()
-        cond = self.model.encode(prompts)
-        rows = [trim_padding(cond.select([i])) for i in range(len(prompts))]
+        if all(isinstance(k, str) for k in keys):
+            cond = self.model.encode([str(k) for k in keys])
+            rows = [trim_padding(cond.select([i])) for i in range(len(keys))]
+        else:  # (prompt, condition images): one row each, their layouts may differ
+            pairs = [k if isinstance(k, tuple) else (k, ()) for k in keys]
+            rows = [trim_padding(r) for r in self.model.encode_with_images([p for p, _ in pairs], [i for _, i in pairs])]
         self.stats.seconds += time.perf_counter() - start
         self.stats.calls += 1
-        self.stats.prompts += len(prompts)
+        self.stats.prompts += len(keys)
         return rows

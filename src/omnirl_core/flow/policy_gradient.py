@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import Conditioning, FlowModel, RolloutPlan, Sample, TrainingUnit
+from omnirl_core.flow.batching import grouped_velocity
 from omnirl_core.flow.sampler import gaussian_kl, step_mean, transition_logprob
 from omnirl_core.rl.advantage import assign_group_advantages
 from omnirl_core.rl.correction import (
@@ -65,35 +66,36 @@ class TransitionBatch:
     s: torch.Tensor
     s_next: torch.Tensor
     sigma_max: torch.Tensor
-    cond: Conditioning
-    uncond: Conditioning | None
+    conds: list[Conditioning]
+    """Each row's conditioning, as the rollout used it (condition-image latents included)."""
+    unconds: list[Conditioning] | None
     guidance_scale: float
 
 
 def stack_transitions(units: list[Transition], device: torch.device | str) -> TransitionBatch:
-    """Batched inputs of the transitions (x_j, x_{j+1}, s_j, s_{j+1}, conditioning)."""
+    """Batched inputs of the transitions (x_j, x_{j+1}, s_j, s_{j+1}) and each one's conditioning."""
     x = torch.stack([_present(u.sample.latents, "latents")[u.step] for u in units]).to(device)
     x_next = torch.stack([_present(u.sample.latents, "latents")[u.step + 1] for u in units]).to(device)
     s = torch.stack([_present(u.sample.sigmas, "sigmas")[u.step] for u in units]).to(device)
     s_next = torch.stack([_present(u.sample.sigmas, "sigmas")[u.step + 1] for u in units]).to(device)
     sigma_max = torch.stack([_present(u.sample.sigmas, "sigmas")[1] for u in units]).to(device)
-    cond = Conditioning.cat([_present(u.sample.cond, "conditioning") for u in units]).to(device)
+    conds = [_present(u.sample.cond, "conditioning") for u in units]
     scale = units[0].sample.request.guidance_scale
-    uncond = None
+    unconds = None
     if scale > 1.0:
-        uncond = Conditioning.cat([_present(u.sample.uncond, "unconditional conditioning")
-                                   for u in units]).to(device)
-    return TransitionBatch(x, x_next, s, s_next, sigma_max, cond, uncond, scale)
+        unconds = [_present(u.sample.uncond, "unconditional conditioning") for u in units]
+    return TransitionBatch(x, x_next, s, s_next, sigma_max, conds, unconds, scale)
 
 
 def transition_stats(model: FlowModel, units: list[Transition],
                      eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TransitionBatch]:
     """(mean, std, logp, batch) of the stored transitions under the model's current weights.
 
-    All units of one call share a sampler kind (the trainer's micro-batches come from one plan)."""
+    All units of one call share a sampler kind (the trainer's micro-batches come from one plan). Units whose
+    conditionings do not concatenate (condition images of other sizes) take one ``velocity`` call each group."""
     kind = units[0].kind
     batch = stack_transitions(units, model.device)
-    v = model.velocity(batch.x, batch.s, batch.cond, batch.guidance_scale, batch.uncond)
+    v = grouped_velocity(model, batch.x, batch.s, batch.conds, batch.guidance_scale, batch.unconds)
     mean, std = step_mean(kind, batch.x, v, batch.s, batch.s_next, eta, batch.sigma_max)
     return mean, std, transition_logprob(kind, batch.x_next, mean, std), batch
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.data.sources import PromptData, PromptSampler, open_run_data
+from omnirl_core.loop.cluster import WorkerLostError
 from omnirl_core.loop.executors import make_executor
 from omnirl_core.loop.interrupts import StopSignals
 from omnirl_core.loop.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
@@ -57,6 +58,7 @@ class Controller:
         self.records = self.data.train
         self.prompts = PromptSampler([r["prompt"] for r in self.records], self.cfg.run.seed)
         self.start_step = 1
+        self.current_step: int | None = None  # the step under way (None while setting up)
         self.fallback = FallbackMonitor(self.cfg.train.rs_fallback, self.cfg.train.rs_fallback_steps)
         self.reward_health = RewardHealth(self.cfg.run.reward_max_failed_steps)
         self.trackers = TrackerSet([])
@@ -94,8 +96,12 @@ class Controller:
 
         self.run_dir.lock()  # no-op when the caller (the CLI's claim) holds it already
         clean_partial(self.run_dir.path)
-        self.run_dir.save_runtime({"threads": configure(self.cfg.run.threads).as_dict()})
+        threads = {"threads": configure(self.cfg.run.threads).as_dict()}
+        self.run_dir.save_runtime(threads)
         self.executor.setup()
+        placed = self.executor.runtime()  # where the workers run (Ray: the node of each group's actors)
+        if placed:
+            self.run_dir.save_runtime({**threads, **placed})
         ckpt = latest_checkpoint(self.run_dir.path)
         if ckpt is None:
             self.run_dir.restore_metrics(b"")  # rows of an attempt that died before its first checkpoint
@@ -168,7 +174,8 @@ class Controller:
         })
         if self.grid_due(step):
             self.run_dir.save_grid(step, [s.output for s in samples], [s.prompt for s in samples],
-                                   columns=cfg.rollout.group_size, rewards=[s.reward for s in samples])
+                                   columns=cfg.rollout.group_size, rewards=[s.reward for s in samples],
+                                   sources=[s.condition_images for s in samples])
         return record
 
     def grid_due(self, step: int) -> bool:
@@ -224,6 +231,11 @@ class Controller:
                     self.trackers.start(TrackerRun(self.run_dir.path, self.run_dir.path.name, self.resolved.dump(),
                                                    self.start_step))
                 self._steps(signals)
+        except WorkerLostError as err:  # a node (or a worker process) of the run is gone, with its state
+            from omnirl_core.rundir.checkpoint import latest_checkpoint
+
+            err.locate(self.current_step, latest_checkpoint(self.run_dir.path))
+            raise
         finally:
             try:
                 self.run_dir.plot_rewards()
@@ -239,6 +251,7 @@ class Controller:
         in_update = False
         try:
             for step in range(self.start_step, cfg.run.steps + 1):
+                self.current_step = step
                 samples, reward_metrics = self.collect(step)
                 with signals.deferred():
                     in_update = True

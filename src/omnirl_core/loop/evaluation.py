@@ -122,6 +122,8 @@ def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int
     rows = []
     for s in sorted(samples, key=lambda s: s.request.uid):
         row: dict[str, Any] = {"prompt": s.prompt, "sample": seeds_k[s.request.uid], "seed": s.request.seed}
+        if s.condition_images:  # an edit: its source, beside its scores
+            row["source"] = list(s.condition_images)
         for name in reward_names:
             if name in s.rewards:
                 row[name] = float(s.rewards[name])
@@ -184,7 +186,8 @@ def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | Non
     import io
 
     buffer = io.BytesIO()
-    image_grid(outputs, [r["prompt"] for r in rows], samples_per_prompt).save(buffer, format="PNG")
+    sources = [tuple(r.get("source", ())) for r in rows]
+    image_grid(outputs, [r["prompt"] for r in rows], samples_per_prompt, sources).save(buffer, format="PNG")
     write_atomic(path, buffer.getvalue())
     return path
 
@@ -355,8 +358,10 @@ def eval_records(resolved: ResolvedRun, prompts: str | None, split: str,
 
 
 def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
-    """Each output in its own file: PNG (image), GIF (video frames), TXT (text); returns the index rows."""
-    from omnirl_core.rundir.pictures import is_video, to_pil
+    """Each output in its own file: PNG (image), GIF (video frames), TXT (text); returns the index rows. An edit
+    (a sample with a source image) also gets ``NNNN-edit.png``: source and result side by side under the
+    instruction."""
+    from omnirl_core.rundir.pictures import is_video, side_by_side, to_pil
 
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -373,7 +378,12 @@ def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
         else:
             path = stem.with_suffix(".png")
             to_pil(s.output, min_side=1).save(path)
-        rows.append({"file": path.name, "prompt": s.prompt, "seed": s.request.seed})
+        row: dict[str, Any] = {"file": path.name, "prompt": s.prompt, "seed": s.request.seed}
+        if s.condition_images and path.suffix == ".png":
+            pair = stem.with_name(f"{stem.name}-edit.png")
+            side_by_side(s.condition_images[0], s.output, s.prompt).save(pair)
+            row.update(source=list(s.condition_images), side_by_side=pair.name)
+        rows.append(row)
     write_atomic(out / "samples.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return rows
 

@@ -13,6 +13,13 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare, each serving
            ``run.reward_concurrency`` calls at once (threads, for rewards that wait on I/O).
 
+Each pool is one placement group, placed by the group's ``run.ray_pools`` entry (strategy, node selector) on a
+cluster of one node or many (``omnirl_core.loop.cluster``: joining, placement checks, the version check, a lost
+node). ``runtime.json`` records the node of every actor. No disk is shared: a checkpoint's files travel from the
+train ranks to the driver through Ray, and back to them on resume (``omnirl_core.loop.transfer``); the samples
+and the evaluation outputs reach the driver as the rollout's objects. Actors are never restarted: a worker that
+came back would hold none of the run's state, so a lost one stops the run (``WorkerLostError``) for an exact resume.
+
 Every actor runs at ``run.ray_worker_niceness`` (0: the driver's priority). Ray's own default renices its workers
 to 15, so that any other process on the node runs first; on a node that is busy with anything else (data
 loading, a reward server, another job) the rollout and the update then get a sliver of the CPUs.
@@ -42,13 +49,40 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from omnirl_core.contracts import TRAJECTORY_FIELDS, Executor, GenRequest, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.loop import ray_watchdog
+from omnirl_core.loop.cluster import (
+    POLL_S,
+    Placed,
+    Placement,
+    Pool,
+    WorkerLostError,
+    check_pools,
+    check_versions,
+    cluster_address,
+    cluster_nodes,
+    group_pool,
+    installed_versions,
+    join,
+    run_modules,
+)
 from omnirl_core.loop.executors import build_rewards
+from omnirl_core.loop.transfer import (
+    IN_FLIGHT,
+    Receiver,
+    Shipped,
+    chunks_of,
+    rank_part,
+    scratch,
+    ship,
+    unpack,
+)
 from omnirl_core.loop.worker import Worker, reference_placement
 from omnirl_core.resolve import ResolvedRun
 
@@ -65,6 +99,10 @@ class WorkerActor:
     def __init__(self, resolved: ResolvedRun, roles: list[str], rank: int, world_size: int):
         self.worker = Worker(resolved, set(roles), rank=rank, world_size=world_size)
         self.held: dict[int, Sample] = {}  # the last rollout's trajectories, by hold key (``generate(hold=True)``)
+
+    def where(self, modules: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Where this actor runs (``actor_location``) and the omnirl / plugin versions its node has installed."""
+        return actor_location(), installed_versions(modules)
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -128,11 +166,32 @@ class WorkerActor:
         self.worker.load_trained_state(state)
         return state_bytes(state)
 
-    def save_state(self, directory: str) -> list[str]:
-        return self.worker.save_state(directory)
+    def save_state(self) -> Iterator[Any]:
+        """A streaming call: this worker's part of a checkpoint, written into a scratch directory of its node (the
+        names the components listed first, then every file as ``transfer.Chunk`` objects); the driver writes them into
+        the checkpoint. A sharded engine's save is a collective: it is over before the first item."""
+        with scratch() as directory:
+            yield self.worker.save_state(directory)
+            yield from chunks_of(directory)
 
-    def load_state(self, directory: str) -> None:
-        self.worker.load_state(directory)
+    def load_state(self, files: list[Shipped]) -> int:
+        """This worker's part of a checkpoint, fetched from the driver into a scratch directory of its node
+        (checksums checked) and loaded; the bytes fetched."""
+        with scratch() as directory:
+            moved = unpack(files, directory)
+            self.worker.load_state(directory)
+        return moved
+
+
+def actor_location() -> dict[str, Any]:
+    """This actor (its Ray id) and where it runs: the node's id and address, the host's name, the pid."""
+    import socket
+
+    import ray
+
+    context = ray.get_runtime_context()
+    return {"actor_id": context.get_actor_id(), "node_id": context.get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(), "pid": os.getpid()}
 
 
 def reward_view(sample: Sample) -> Sample:
@@ -200,6 +259,9 @@ class RewardActor:
 
         configure("fixed")  # torch's pools sized to the CPUs Ray assigned this actor, not to the machine
         self.rewards = build_rewards(resolved)
+
+    def where(self, modules: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+        return actor_location(), installed_versions(modules)
 
     def torch_threads(self) -> int:
         import torch
@@ -374,7 +436,7 @@ def loopback_only() -> None:
                     LOOPBACK_ENV)
 
 
-RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "environment")
+RUNTIME_ENV_KEYS = ("py_executable", "pip", "uv", "env_vars", "working_dir", "py_modules", "environment")
 
 
 def group_runtime_env(spec: dict[str, Any] | None, group: str) -> dict[str, Any] | None:
@@ -448,6 +510,10 @@ class RayExecutor(Executor):
                 hint="Set train.engine=fsdp2, or run.train_workers=1.",
             )
         self.colocated = run.placement == "colocated"
+        if self.colocated and "rollout" in run.ray_pools:
+            raise UsageError("run.ray_pools.rollout is set, but with run.placement=colocated the rollout runs in the "
+                             "train worker (run.ray_pools.train places it).",
+                             hint="Set run.placement=split, or move the entry to run.ray_pools.train.")
         self.train: list[Any] = []
         self.rollout_worker: Any = None
         self.reference_worker: Any = None
@@ -458,12 +524,18 @@ class RayExecutor(Executor):
         self._started_ray = False
         self.hold = False  # the colocated worker keeps the trajectories (``setup``)
         self.eval_weights_differ = False  # the algorithm evaluates other weights than it trains (an EMA)
+        self.address: str | None = None
+        self.address_source = "local"
+        self.placement = Placement()
+        self.traffic: dict[str, Any] = {}
+        """Bytes the last checkpoint moved: ``checkpoint_bytes`` (workers -> driver; ``checkpoint_bytes_by_rank``),
+        ``restore_bytes`` (driver -> workers, on resume)."""
 
     # -- placement -----------------------------------------------------------------------------
     def _connect(self) -> None:
-        address = self.resolved.config.run.ray_address
-        if address is None:
-            loopback_only()
+        self.address, self.address_source = cluster_address(self.resolved.config.run.ray_address)
+        if self.address is None:
+            loopback_only()  # before Ray is imported: it reads the switch then
         import ray
 
         if ray.is_initialized():
@@ -472,28 +544,34 @@ class RayExecutor(Executor):
         # torch's pools to the CPUs Ray assigned it (threads.configure)
         env = {k: v for k, v in os.environ.items()
                if k.startswith(("OMNIRL_", "HF_")) or k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-        before = ray_watchdog.children() if address is None else set()
-        ray.init(address=address, include_dashboard=False, dashboard_host="127.0.0.1",
-                 runtime_env={"env_vars": env} if env else None)
-        if address is None:  # a local instance of this run's own: stopped with it even after kill -9
-            ray_watchdog.start(before)
+        runtime_env = {"env_vars": env} if env else None
+        if self.address is None:
+            before = ray_watchdog.children()
+            # "local": a new instance of this run's own, never one that `ray start` left on this machine
+            ray.init(address="local", include_dashboard=False, dashboard_host="127.0.0.1", runtime_env=runtime_env)
+            ray_watchdog.start(before)  # the local instance goes with this process, kill -9 included
+        else:
+            join(self.address, self.address_source, runtime_env)
         self._started_ray = True
 
-    def _pool(self, name: str, bundles: list[dict[str, float]]) -> Any:
+    def _pool(self, pool: Pool) -> Any:
         import ray
         from ray.util.placement_group import placement_group
 
-        pool = placement_group(bundles, strategy="PACK", name=f"omnirl-{name}-{os.getpid()}-{id(self)}")
-        self.pools.append(pool)
-        ready, _ = ray.wait([pool.ready()], timeout=POOL_TIMEOUT_S)
+        placed = placement_group(pool.bundles, strategy=pool.ray_strategy,
+                                 name=f"omnirl-{pool.group}-{os.getpid()}-{id(self)}")
+        self.pools.append(placed)
+        ready, _ = ray.wait([placed.ready()], timeout=POOL_TIMEOUT_S)
         if not ready:
             raise UsageError(
-                f"Ray could not place the {name} pool ({bundles}) within {POOL_TIMEOUT_S:.0f} s.",
+                f"Ray could not place the {pool.group} pool ({pool.bundles}, {pool.strategy}) within "
+                f"{POOL_TIMEOUT_S:.0f} s.",
                 details=[f"Cluster resources: {ray.cluster_resources()}",
                          f"Available now: {ray.available_resources()}"],
-                hint="Lower run.worker_cpus / run.reward_workers / run.train_workers, or add resources.",
+                hint="Lower run.worker_cpus / run.reward_workers / run.train_workers, relax run.ray_pools, or add "
+                     "resources (another job may hold them).",
             )
-        return pool
+        return placed
 
     def _place(self, cls: Any, pool: Any, index: int, options: dict[str, Any], *args: Any,
                group: str = "") -> Any:
@@ -504,6 +582,9 @@ class RayExecutor(Executor):
         runtime_env = actor_runtime_env(self.resolved.config.run, group)
         if runtime_env:
             options = {**options, "runtime_env": runtime_env}
+        # never restarted, no call retried: a worker that came back would have lost the run's state (its weights,
+        # optimizer, held trajectories); a lost worker stops the run instead (WorkerLostError)
+        options = {**options, "max_restarts": 0, "max_task_retries": 0}
         return ray.remote(cls).options(scheduling_strategy=strategy, **options).remote(*args)
 
     def setup(self) -> None:
@@ -524,40 +605,109 @@ class RayExecutor(Executor):
         # of the algorithm reads none and no reference worker evaluates the units
         self.hold = self.colocated and not separate_reference and not algorithm.controller_reads_trajectory
         reward_opts = self._reward_options()
-        self._check_capacity({
-            "train": [_bundle(worker_opts)] * run.train_workers,
-            "rollout": [] if self.colocated else [_bundle(worker_opts)],
-            "reference": [_bundle(worker_opts)] if separate_reference else [],
-            "reward": [_bundle(reward_opts)] * run.reward_workers,
-        })
-        train_pool = self._pool("train", [_bundle(worker_opts)] * run.train_workers)
+        worker = _bundle(worker_opts)
+        pools = {
+            "train": group_pool("train", worker, run.train_workers, run.ray_pools.get("train")),
+            "rollout": group_pool("rollout", worker, 0 if self.colocated else 1, run.ray_pools.get("rollout")),
+            "reference": group_pool("reference", worker, int(separate_reference), run.ray_pools.get("reference")),
+            "reward": group_pool("reward", _bundle(reward_opts), run.reward_workers, run.ray_pools.get("reward")),
+        }
+        check_pools(list(pools.values()), cluster_nodes())
+        self._check_capacity({name: pool.bundles for name, pool in pools.items()})
+        actors: list[tuple[str, int, Any]] = []
+        train_pool = self._pool(pools["train"])
         self.train = [self._place(WorkerActor, train_pool, rank, worker_opts, r, train_roles, rank,
                                   run.train_workers, group="train") for rank in range(run.train_workers)]
-        if run.train_workers > 1:
-            address, port = ray.get(self.train[0].address.remote())
-            backend = r.device.backend if r.device else "gloo"
-            ray.get([w.init_group.remote(backend, address, port) for w in self.train])
+        actors += [("train", rank, a) for rank, a in enumerate(self.train)]
         if self.colocated:
             self.rollout_worker = self.train[0]
         else:
-            rollout_pool = self._pool("rollout", [_bundle(worker_opts)])
+            rollout_pool = self._pool(pools["rollout"])
             self.rollout_worker = self._place(WorkerActor, rollout_pool, 0, worker_opts, r, ["rollout"], 0, 1,
                                               group="rollout")
+            actors.append(("rollout", 0, self.rollout_worker))
         if separate_reference:
-            reference_pool = self._pool("reference", [_bundle(worker_opts)])
+            reference_pool = self._pool(pools["reference"])
             self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1,
                                                 group="reference")
-        reward_pool = self._pool("reward", [_bundle(reward_opts)] * run.reward_workers)
+            actors.append(("reference", 0, self.reference_worker))
+        reward_pool = self._pool(pools["reward"])
         # an async actor: the driver keeps a reward without submit to reward_concurrency calls at once (its threads);
         # a reward with submit takes every call, bounded by its own capacity
         actor_opts = {**reward_opts, "max_concurrency": max(run.reward_concurrency, ASYNC_ACTOR_CALLS)}
         self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
                               for i in range(run.reward_workers)]
-        self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
-        self.reward_batching = run.reward_batching or bool(ray.get(self.reward_actors[0].batch_invariant.remote()))
-        ray.get([w.setup.remote() for w in self._workers()])
-        if not self.colocated:
-            self.sync_weights()  # the rollout worker starts from the actor's exact weights
+        actors += [("reward", i, a) for i, a in enumerate(self.reward_actors)]
+        self._locate(actors)
+        with self._guard("setup"):
+            if run.train_workers > 1:  # the group's rendezvous: rank 0's node address, a free port there
+                address, port = ray.get(self.train[0].address.remote())
+                backend = r.device.backend if r.device else "gloo"
+                self.placement.gather([w.init_group.remote(backend, address, port) for w in self.train], "setup")
+            self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
+            self.reward_batching = run.reward_batching or bool(ray.get(self.reward_actors[0].batch_invariant.remote()))
+            members = {(p.group, p.index): p for p in self.placement.placed}
+            who = [members[("train", rank)] for rank in range(len(self.train))]
+            if not self.colocated:
+                who.append(members[("rollout", 0)])
+            if self.reference_worker is not None:
+                who.append(members[("reference", 0)])
+            self.placement.gather([w.setup.remote() for w in self._workers()], "set up", who)
+            if not self.colocated:
+                self.sync_weights()  # the rollout worker starts from the actor's exact weights
+
+    def _locate(self, actors: list[tuple[str, int, Any]]) -> None:
+        """Where each actor runs (``runtime.json``), and the check that its node runs the driver's omnirl and plugin
+        versions, before any model loads. An actor that could not start is named with its node."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        modules = run_modules(self.resolved)
+        calls = [(group, index, actor, actor.where.remote(modules)) for group, index, actor in actors]
+        reports = []
+        for group, index, actor, call in calls:
+            try:
+                location, versions = ray.get(call)
+            except RayActorError as exc:
+                raise UsageError(f"The {group} worker {index} of the run could not start on its Ray node.",
+                                 details=[str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)],
+                                 hint="Check that node's environment (omnirl and the run's plugins installed, the "
+                                      "model reachable); --debug shows the worker's traceback.") from exc
+            placed = Placed(group, index, **location)
+            self.placement.placed.append(placed)
+            reports.append((placed, versions))
+        check_versions(installed_versions(modules), reports)
+        for group, members in self.placement.groups().items():
+            log.info("ray: %s on %s", group, ", ".join(f"{m['ip']} ({m['node_id'][:8]})" for m in members))
+
+    def runtime(self) -> dict[str, Any]:
+        """``runtime.json``'s ``ray``: the cluster joined, its nodes, and the node of every actor of each group."""
+        if not self.placement.placed:
+            return {}
+        ours = {p.node_id for p in self.placement.placed}
+        nodes = [{"node_id": n.node_id, "ip": n.ip, "hostname": n.hostname, "head": n.head,
+                  "resources": {k: v for k, v in n.resources.items() if not k.startswith("node:")}}
+                 for n in cluster_nodes() if n.node_id in ours]
+        return {"ray": {"address": self.address or "local", "address_from": self.address_source,
+                        "nodes": nodes, "groups": self.placement.groups()}}
+
+    @contextmanager
+    def _guard(self, phase: str) -> Iterator[None]:
+        """A failure of the run's workers in ``phase``: a ``WorkerLostError`` when a worker was lost (its node, or
+        its process), else the failure as it is. A broken collective of the train ranks (a peer that vanished) is
+        a suspect: Ray is given time to declare the node dead before the error is taken as it is."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            yield
+        except WorkerLostError:
+            raise  # named already (a phase inside this one)
+        except Exception as exc:
+            suspect = len(self.train) > 1 and isinstance(exc, RayTaskError) and isinstance(exc.cause, RuntimeError)
+            lost = self.placement.explain(exc, phase, suspect=suspect) if self.placement.placed else None
+            if lost is None:
+                raise
+            raise lost from exc
 
     def _check_capacity(self, pools: dict[str, list[dict[str, float]]]) -> None:
         """Fail at once, with the arithmetic, when the pools need more than the whole cluster has (placing
@@ -610,25 +760,26 @@ class RayExecutor(Executor):
                 return self.rollout(requests)
             finally:
                 self.sync_weights()
-        mode = self.resolved.config.run.reward_mode
-        start = time.perf_counter()
-        run = self.resolved.config.run
-        dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, self.reward_batching,
-                                   coalesce=self.reward_coalesce)
-        hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
-        stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
-        views, refs = consume_stream(stream, dispatch, hold, mode == "async")
-        rollout_end = time.perf_counter()
-        if mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
-            size = int(-(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots))) \
-                if views else 1  # an int: ``slots`` is infinite only when coalescing
-            for i in range(0, len(views), size):
-                dispatch.send(views[i:i + size])
-        else:
-            dispatch.drain()
-        calls = dispatch.calls
-        samples: list[Sample] = ray.get(refs)
-        results = ray.get(calls)
+        with self._guard("evaluation" if evaluation else "rollout"):
+            mode = self.resolved.config.run.reward_mode
+            start = time.perf_counter()
+            run = self.resolved.config.run
+            dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, self.reward_batching,
+                                       coalesce=self.reward_coalesce)
+            hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
+            stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
+            views, refs = consume_stream(stream, dispatch, hold, mode == "async")
+            rollout_end = time.perf_counter()
+            if mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
+                size = int(-(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots))) \
+                    if views else 1  # an int: ``slots`` is infinite only when coalescing
+                for i in range(0, len(views), size):
+                    dispatch.send(views[i:i + size])
+            else:
+                dispatch.drain()
+            calls = dispatch.calls
+            samples: list[Sample] = ray.get(refs)
+            results = self.placement.gather(calls, "rollout")
         end = time.perf_counter()
         scores = [item for result in results for item in result[0]]
         for sample, (rewards, total) in zip(samples, scores):
@@ -641,39 +792,80 @@ class RayExecutor(Executor):
         built from the same config; metrics are reduced across ranks by the engine."""
         import ray
 
-        ref = ray.put(shed_outputs(units) if self.hold else units)
-        reference = None
-        if self.reference_worker is not None:  # computed beside the actor's own pass, sent to every rank
-            reference = [self.reference_worker.reference_outputs.remote(ref)]
-        return ray.get([w.update.remote(ref, step, reference) for w in self.train])[0]
+        with self._guard("update"):
+            ref = ray.put(shed_outputs(units) if self.hold else units)
+            reference = None
+            if self.reference_worker is not None:  # computed beside the actor's own pass, sent to every rank
+                reference = [self.reference_worker.reference_outputs.remote(ref)]
+            return self.placement.gather([w.update.remote(ref, step, reference) for w in self.train], "update")[0]
 
     def set_old_logprob(self, mode: str) -> None:
-        import ray
-
-        ray.get([w.set_old_logprob.remote(mode) for w in self.train])
+        with self._guard("update"):
+            self.placement.gather([w.set_old_logprob.remote(mode) for w in self.train], "update")
 
     def sync_weights(self, evaluation: bool = False) -> dict[str, float]:
-        import ray
-
         if self.colocated:
             return {}
-        states = [w.trained_state.remote(evaluation) for w in self.train]  # a collective on sharded ranks
-        moved = ray.get(self.rollout_worker.load_trained_state.remote(states[0]))
-        ray.get(states[1:])
+        with self._guard("weight sync"):
+            states = [w.trained_state.remote(evaluation) for w in self.train]  # a collective on sharded ranks
+            # the rollout worker fetches rank 0's weights from its node: they do not pass through the driver
+            moved = self.placement.gather([self.rollout_worker.load_trained_state.remote(states[0]), *states[1:]],
+                                          "weight sync")[0]
         return {"sync/bytes": float(moved)}
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, directory: Path) -> list[str]:
-        """The workers' part of a checkpoint: every train rank writes its files (shards, for a sharded engine)."""
+        """The workers' part of a checkpoint: every train rank writes its files (shards, for a sharded engine) on
+        its own node and streams them here, into ``directory``; each file's SHA-256 is checked on arrival."""
         import ray
 
-        files = ray.get([w.save_state.remote(str(directory)) for w in self.train])
-        return sorted({f for part in files for f in part})
+        with self._guard("checkpoint"):
+            streams = [w.save_state.options(num_returns="streaming", _generator_backpressure_num_objects=IN_FLIGHT)
+                       .remote() for w in self.train]
+            listed = self._first_items(streams)  # a sharded save's collectives are over once every rank has one
+            receiver = Receiver(directory)
+            by_rank = []
+            try:
+                for stream in streams:
+                    before = receiver.bytes
+                    for ref in stream:
+                        receiver.take(ray.get(ref))
+                    by_rank.append(receiver.bytes - before)
+            finally:
+                receiver.close()
+        self.traffic.update(checkpoint_bytes=receiver.bytes, checkpoint_bytes_by_rank=by_rank)
+        return sorted({f for part in listed for f in part})
+
+    def _first_items(self, streams: list[Any]) -> list[Any]:
+        """The first item of each streaming call, failing as soon as one fails or a node of the run dies."""
+        import ray
+
+        firsts: dict[int, Any] = {}
+        while len(firsts) < len(streams):
+            waiting = [s for i, s in enumerate(streams) if i not in firsts]
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=POLL_S)
+            for stream in ready:
+                firsts[streams.index(stream)] = ray.get(next(stream))
+            dead = self.placement.dead() if len(firsts) < len(streams) else []
+            if dead:
+                raise self.placement.lost_on(dead[0], "checkpoint", "the node was declared dead while the driver "
+                                             "waited")
+        return [firsts[i] for i in range(len(streams))]
 
     def load_state(self, directory: Path) -> None:
-        import ray
+        """Each train rank gets its part of the (verified) checkpoint ``directory`` through Ray, the files of the
+        other ranks of a sharded engine left out."""
+        from omnirl_core.loop.transfer import files_in
 
-        ray.get([w.load_state.remote(str(directory)) for w in self.train])
+        names = files_in(directory)
+        world = len(self.train)
+        shipped = {s.name: s for s in ship(directory, names)}
+        with self._guard("checkpoint load"):
+            parts = [[shipped[n] for n in rank_part(names, rank, world)] for rank in range(world)]
+            moved = self.placement.gather([w.load_state.remote(part) for w, part in zip(self.train, parts)],
+                                          "checkpoint load")
+        del shipped, parts  # the chunks leave the object store
+        self.traffic["restore_bytes"] = sum(moved)
         if not self.colocated:
             self.sync_weights()
 

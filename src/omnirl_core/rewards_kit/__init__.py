@@ -1,7 +1,7 @@
 """Code the learned-reward plugins share (plugins never import each other): CLIP loading and preprocessing
-(``clip``), tiny random-weight CLIP presets (``tiny_clip``), and
+(``clip``), tiny random-weight CLIP presets (``tiny_clip``), an edit's source images and mask (``sources``), and
 ``build_reward``: another installed reward by name, for rewards that wrap one (and for the reward server).
-Importing this package loads nothing heavy; ``clip`` and ``tiny_clip`` import torch."""
+Importing this package loads nothing heavy; ``clip``, ``tiny_clip`` and ``sources``' functions import torch."""
 
 from __future__ import annotations
 

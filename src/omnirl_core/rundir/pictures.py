@@ -26,20 +26,55 @@ def to_pil(image: torch.Tensor | np.ndarray | Image.Image, min_side: int = 96) -
     return pil.resize((pil.width * scale, pil.height * scale), Image.Resampling.NEAREST) if scale > 1 else pil
 
 
-def image_grid(images: list[Any], prompts: list[str], columns: int) -> Image.Image:
+def image_grid(images: list[Any], prompts: list[str], columns: int,
+               sources: list[tuple[str, ...]] | None = None) -> Image.Image:
+    """One row per ``columns`` images under its first prompt. ``sources``: each image's condition images (an edit's
+    source, paths); when any has one, every row opens with its first image's sources, so that a row reads source,
+    instruction and results side by side."""
     tiles = [to_pil(im) for im in images]
     w, h = tiles[0].size
     label_h = 14
     rows = (len(tiles) + columns - 1) // columns
-    grid = Image.new("RGB", (columns * w, rows * (h + label_h)), "white")
+    lead = max((len(sources[r * columns]) for r in range(rows)), default=0) if sources else 0
+    grid = Image.new("RGB", ((lead + columns) * w, rows * (h + label_h)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
+    for r in range(rows):
+        for k, path in enumerate(sources[r * columns] if lead and sources else ()):
+            grid.paste(source_tile(path, (w, h)), (k * w, r * (h + label_h) + label_h))
     for i, tile in enumerate(tiles):
         r, c = divmod(i, columns)
-        grid.paste(tile, (c * w, r * (h + label_h) + label_h))
+        grid.paste(tile, ((lead + c) * w, r * (h + label_h) + label_h))
         if c == 0:
-            draw.text((2, r * (h + label_h) + 1), prompts[i][: columns * w // 6], fill="black", font=font)
+            label = f"{prompts[i]}  (source | results)" if lead else prompts[i]
+            draw.text((2, r * (h + label_h) + 1), label[: (lead + columns) * w // 6], fill="black", font=font)
     return grid
+
+
+def source_tile(path: str, size: tuple[int, int]) -> Image.Image:
+    """A condition image fitted into a tile of ``size`` (width, height), its aspect kept on a grey margin."""
+    from omnirl_core.data.images import load_image
+
+    image = load_image(path)
+    scale = min(size[0] / image.width, size[1] / image.height)  # small sources (the tiny presets') enlarged sharp
+    image = image.resize((max(1, int(image.width * scale)), max(1, int(image.height * scale))),
+                         Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS)
+    tile = Image.new("RGB", size, (160, 160, 160))
+    tile.paste(image, ((size[0] - image.width) // 2, (size[1] - image.height) // 2))
+    return tile
+
+
+def side_by_side(source: str, output: Any, caption: str, side: int = 256) -> Image.Image:
+    """An edit as one picture: the source and the result, each fitted into ``side`` pixels, under the
+    instruction."""
+    result = to_pil(output, min_side=side)
+    result.thumbnail((side, side), Image.Resampling.LANCZOS)
+    label_h = 14
+    canvas = Image.new("RGB", (2 * side, side + label_h), "white")
+    canvas.paste(source_tile(source, (side, side)), (0, label_h))
+    canvas.paste(result, (side + (side - result.width) // 2, label_h + (side - result.height) // 2))
+    ImageDraw.Draw(canvas).text((2, 1), caption[: 2 * side // 6], fill="black", font=ImageFont.load_default())
+    return canvas
 
 
 def is_video(output: object) -> bool:

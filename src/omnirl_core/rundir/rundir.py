@@ -28,7 +28,8 @@ _HELD: dict[Path, int] = {}  # run directories this process holds (flock is per 
 RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
-    "run.executor", "run.ray_address", "run.placement", "run.worker_cpus", "run.reward_mode", "run.reward_workers",
+    "run.executor", "run.ray_address", "run.ray_pools", "run.placement", "run.worker_cpus", "run.reward_mode",
+    "run.reward_workers",
     "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",
     # deadlines and patience: how long to wait for a reward, not what it computes
     "run.reward_timeout_s", "run.reward_max_failed_steps",
@@ -179,9 +180,10 @@ class RunDir:
 
     # -- images --------------------------------------------------------------------------------
     def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int,
-                  rewards: list[float] | None = None) -> Path:
+                  rewards: list[float] | None = None, sources: list[tuple[str, ...]] | None = None) -> Path:
         """A PNG grid of images / video frame strips (videos also as an animated GIF grid beside it); text
-        outputs go to a JSONL file instead."""
+        outputs go to a JSONL file instead. ``sources``: each image's condition images (an edit's source), shown
+        at the start of its row."""
         from omnirl_core.rundir.pictures import image_grid, is_video, video_grid_gif
 
         if images and all(isinstance(x, str) for x in images):
@@ -192,7 +194,7 @@ class RunDir:
             write_atomic(path, "\n".join(lines) + "\n")
             return path
         path = self.samples / f"step-{step:06d}.png"
-        _save_png(image_grid(images, prompts, columns), path)
+        _save_png(image_grid(images, prompts, columns, sources), path)
         if images and all(is_video(x) for x in images):
             video_grid_gif(images, prompts, columns, path.with_suffix(".gif"))
         return path

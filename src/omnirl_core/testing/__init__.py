@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from omnirl_core.ar.model import CausalLMPolicy
     from omnirl_core.ar.sampling import SamplingParams
     from omnirl_core.config import ModelSection
-    from omnirl_core.contracts import FlowModel, GenRequest, PolicyModel, RolloutPlan, Sample
+    from omnirl_core.contracts import Conditioning, FlowModel, GenRequest, PolicyModel, RolloutPlan, Sample
     from omnirl_core.planning.sizing import Published
     from omnirl_core.serving.rollout_server import ServedRolloutEngine
 
@@ -34,13 +34,18 @@ M = TypeVar("M", bound="PolicyModel")
 
 
 def check_flow_model(model: FlowModel, height: int, width: int, num_frames: int | None = None,
-                     prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
+                     prompts: Sequence[str] = ("a red square", "a blue car on a street"),
+                     images: Sequence[str] = ()) -> None:
     """The flow-model contract: shapes, fp32 velocities, a valid schedule, decoding to [0, 1], batch
     invariance of ``velocity`` (a sample's velocity does not depend on what shares its batch) and a
-    reference policy."""
+    reference policy. ``images``: condition images (paths of one size) for an image-conditioned model, each prompt
+    encoded with one of them (``encode_with_images``), and its ``condition_key`` checked against the encoding."""
     import torch
 
     from omnirl_core.contracts import Conditioning
+
+    def encode(texts: list[str]) -> Conditioning:
+        return encode_prompts(model, texts, images)
 
     assert isinstance(model.capabilities, frozenset) and "flow-matching" in model.capabilities
     shape = tuple(model.latent_shape(height, width, num_frames))
@@ -49,19 +54,25 @@ def check_flow_model(model: FlowModel, height: int, width: int, num_frames: int 
     assert abs(float(sigmas[0]) - 1.0) < 1e-6 and float(sigmas[-1]) == 0.0, sigmas
     assert bool((sigmas[1:] < sigmas[:-1]).all()), f"sigmas must decrease: {sigmas}"
 
-    cond = model.encode(list(prompts))
+    cond = encode(list(prompts))
     assert isinstance(cond, Conditioning) and len(cond) == len(prompts)
-    singles = [model.encode([p]) for p in prompts]
+    singles = [encode_prompts(model, [p], [images[i % len(images)]] if images else ()) for i, p in enumerate(prompts)]
+    if images:
+        assert model.condition_images > 0, "condition images given to a model without condition_images"
+        for i, single in enumerate(singles):
+            request = _requests([prompts[i]], height, width, num_frames, _plan(1), 1.0, 0, [images[i % len(images)]])[0]
+            assert model.condition_key(request) == single.layout, (model.condition_key(request), single.layout)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(prompts), *shape, generator=g)
     s = torch.full((len(prompts),), 0.7)
-    check_batch_invariance(model, height, width, num_frames, prompts)
+    check_batch_invariance(model, height, width, num_frames, prompts, images)
     with torch.no_grad():
         v = model.velocity(x, s, Conditioning.cat(singles))
         assert v.dtype == torch.float32 and v.shape == x.shape, (v.dtype, v.shape)
         guidance = model.guidance
         if guidance != "none" and ("cfg" in model.capabilities or guidance == "embedded"):
-            uncond = Conditioning.cat([model.encode([" "])] * len(prompts))
+            negatives = [" "] * len(prompts)  # with condition images: each with its prompt's images
+            uncond = encode(negatives) if images else Conditioning.cat([model.encode([" "])] * len(prompts))
             guided = model.velocity(x, s, Conditioning.cat(singles), 4.0, uncond)
             assert guided.shape == v.shape and (guided - v).abs().max() > 0, "guidance changes nothing"
         with model.reference():
@@ -74,22 +85,52 @@ def check_flow_model(model: FlowModel, height: int, width: int, num_frames: int 
 
 
 def _requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, plan: RolloutPlan,
-              guidance_scale: float, seed: int) -> list[GenRequest]:
+              guidance_scale: float, seed: int, images: Sequence[str] = ()) -> list[GenRequest]:
+    """A request per prompt; with ``images``, prompt i's record holds condition image ``images[i % len(images)]``."""
     from omnirl_core.contracts import GenRequest
 
     return [GenRequest(uid=i, prompt=p, prompt_index=i, group=i, seed=seed + 7 * i, height=height, width=width,
-                       num_frames=num_frames, plan=plan, guidance_scale=guidance_scale)
+                       num_frames=num_frames, plan=plan, guidance_scale=guidance_scale,
+                       inputs={"image": images[i % len(images)]} if images else {})
             for i, p in enumerate(prompts)]
+
+
+def _plan(steps: int) -> RolloutPlan:
+    from omnirl_core.contracts import RolloutPlan
+
+    return RolloutPlan(step_kinds=("ode",) * steps, train_steps=())
+
+
+def encode_prompts(model: FlowModel, prompts: Sequence[str], images: Sequence[str] = ()) -> Conditioning:
+    """``model.encode(prompts)``, or with condition images (prompt i with ``images[i % len(images)]``)
+    ``model.encode_with_images``, as the rollout engines encode a request."""
+    from omnirl_core.contracts import Conditioning
+
+    if not images:
+        return model.encode(list(prompts))
+    return Conditioning.cat(model.encode_with_images(list(prompts), [(images[i % len(images)],)
+                                                                     for i in range(len(prompts))]))
+
+
+def encode_request(model: FlowModel, request: GenRequest, prompt: str | None = None) -> Conditioning:
+    """A request's one-row conditioning as the rollout engines encode it: its prompt (or ``prompt``, e.g. the
+    negative one) with its condition images for a model that takes them."""
+    text = request.prompt if prompt is None else prompt
+    if model.condition_images > 0:
+        return model.encode_with_images([text], [request.condition_images])[0]
+    return model.encode([text])
 
 
 def rollout(model: FlowModel, requests: Sequence[GenRequest], negative_prompt: str = " ") -> list[Sample]:
     """The minimal rollout: all ``requests`` (one latent shape, one guidance scale) denoised together by the
-    core's sampler, one ``velocity`` call per step, each request drawing its initial latent and its step noise
-    from its own seeded generators (as the rollout engines do). Returns ``Sample`` objects with the trajectory,
-    the log-probs and ``extras`` ``cond`` / ``uncond`` as the trainer reads them."""
+    core's sampler, one ``velocity`` call per step (one per condition layout: requests whose condition images
+    differ in size run apart), each request drawing its initial latent and its step noise from its own seeded
+    generators (as the rollout engines do). Returns ``Sample`` objects with the trajectory, the log-probs and
+    ``cond`` / ``uncond`` as the trainer reads them."""
     import torch
 
-    from omnirl_core.contracts import Conditioning, Sample
+    from omnirl_core.contracts import Sample
+    from omnirl_core.flow.batching import grouped_velocity
     from omnirl_core.flow.sampler import sample_step
 
     first = requests[0]
@@ -98,10 +139,11 @@ def rollout(model: FlowModel, requests: Sequence[GenRequest], negative_prompt: s
     shape = tuple(model.latent_shape(first.height, first.width, first.num_frames))
     sigmas = plan.sigmas_from(model.sigmas(plan.schedule_steps, shape)).float().cpu()
     with torch.no_grad():
-        conds = [model.encode([r.prompt]) for r in requests]
-        uncond = model.encode([negative_prompt]) if scale > 1.0 else None
-        cond = Conditioning.cat(conds)
-        uncond_batch = Conditioning.cat([uncond] * len(requests)) if uncond is not None else None
+        conds = [encode_request(model, r) for r in requests]
+        unconds = None
+        if scale > 1.0:
+            shared = model.encode([negative_prompt]) if model.condition_images == 0 else None
+            unconds = [shared if shared is not None else encode_request(model, r, negative_prompt) for r in requests]
         x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
             r.noise_seed if r.noise_seed is not None else r.seed)) for r in requests])
         noise = [torch.Generator().manual_seed(r.seed + 1) for r in requests]
@@ -109,7 +151,7 @@ def rollout(model: FlowModel, requests: Sequence[GenRequest], negative_prompt: s
         n = len(requests)
         for i, kind in enumerate(plan.step_kinds):
             s, s_next = sigmas[i].expand(n), sigmas[i + 1].expand(n)
-            v = model.velocity(x, s, cond, scale, uncond_batch).cpu()
+            v = grouped_velocity(model, x, s, conds, scale, unconds).cpu()
             eps = None if kind in ("ode", "dpm2") else torch.stack([torch.randn(shape, generator=g) for g in noise])
             out = sample_step(kind, x, v, s, s_next, plan.eta, eps, sigmas[1].expand(n), history)
             history = (out.x0, s)
@@ -120,7 +162,43 @@ def rollout(model: FlowModel, requests: Sequence[GenRequest], negative_prompt: s
         outputs = model.decode(x)
     trajectory = torch.stack(states, dim=1)
     return [Sample(request=r, latents=trajectory[k], sigmas=sigmas.clone(), logprobs=logprobs[k], output=outputs[k],
-                   cond=conds[k], uncond=uncond) for k, r in enumerate(requests)]
+                   cond=conds[k], uncond=unconds[k] if unconds is not None else None) for k, r in enumerate(requests)]
+
+
+def screenshot(page: str | Path, shot: str | Path, width: int = 1200, height: int = 1600) -> bool:
+    """Render an HTML file in headless Chromium into the PNG ``shot``, offline; False when Chromium is not installed
+    (the caller skips: ``apt-get install chromium``)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        return False
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                    "--disable-component-update", "--disable-sync", "--no-first-run", f"--screenshot={shot}",
+                    f"--window-size={width},{height}", Path(page).resolve().as_uri()],
+                   capture_output=True, timeout=120, check=False, cwd=Path(shot).parent)
+    return True
+
+
+def write_sources(folder: str | Path, sizes: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+    """Condition images (an edit's sources) for an image-conditioned model's tests: one PNG per (width, height) in
+    ``sizes`` under ``folder``, a coloured rectangle on a background of its own, so that sources of other sizes have
+    other latent grids. Returns their paths."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    paths = []
+    for k, (width, height) in enumerate(sizes):
+        image = Image.new("RGB", (width, height), (250 - 100 * (k % 3), 40 * k % 256, 90))
+        image.paste((230, 30, 30) if k % 2 else (30, 60, 230), (width // 4, height // 4, 3 * width // 4, 3 * height // 4))
+        path = Path(folder) / f"source-{k}-{width}x{height}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+        paths.append(str(path))
+    return tuple(paths)
 
 
 def trainable(model: M, lora: bool = True, rank: int = 4) -> M:
@@ -141,15 +219,17 @@ def render(pipe: Any, steps: int = 2, **kwargs: object) -> torch.Tensor:
 
 
 def check_batch_invariance(model: FlowModel, height: int, width: int, num_frames: int | None = None,
-                           prompts: Sequence[str] = ("a red square", "a blue car on a street")) -> None:
+                           prompts: Sequence[str] = ("a red square", "a blue car on a street"),
+                           images: Sequence[str] = ()) -> None:
     """A sample's velocity does not depend on what shares its batch (other prompts of other lengths, other
-    sigmas), to 1e-5: the rollout engines batch requests freely and the trainer re-batches transitions."""
+    sigmas), to 1e-5: the rollout engines batch requests freely and the trainer re-batches transitions.
+    ``images``: condition images of one size (prompt i with ``images[i % len(images)]``)."""
     import torch
 
     from omnirl_core.contracts import Conditioning
 
     shape = tuple(model.latent_shape(height, width, num_frames))
-    singles = [model.encode([p]) for p in prompts]
+    singles = [encode_prompts(model, [p], [images[i % len(images)]] if images else ()) for i, p in enumerate(prompts)]
     x = torch.randn(len(prompts), *shape, generator=torch.Generator().manual_seed(0))
     s = torch.linspace(0.9, 0.3, len(prompts))
     with torch.no_grad():
@@ -163,18 +243,21 @@ def check_batch_invariance(model: FlowModel, height: int, width: int, num_frames
 def check_logprob_consistency(model: FlowModel, height: int, width: int, num_frames: int | None = None,
                               guidance_scale: float = 1.0, steps: int = 4, eta: float = 0.7,
                               prompts: Sequence[str] = ("a red square", "a red square", "a blue square, photo",
-                                                        "a blue square, photo")) -> None:
+                                                        "a blue square, photo"),
+                              images: Sequence[str] = (), tolerance: float = 1e-5) -> None:
     """Rollout and trainer compute the same numbers: with unchanged weights, the trainer's re-evaluation of
     every stored SDE transition (``omnirl_core.flow.policy_gradient.transition_stats``, in micro-batches that
-    mix samples and steps unlike the rollout's batch) equals the rollout's log-prob to 1e-5 (the first PPO
-    ratio is 1), and the log-prob is differentiable in the trainable parameters."""
+    mix samples and steps unlike the rollout's batch) equals the rollout's log-prob to ``tolerance`` (the first PPO
+    ratio is 1), and the log-prob is differentiable in the trainable parameters. ``images``: condition images, prompt
+    i with ``images[i % len(images)]`` (images of two sizes: micro-batches mix condition layouts, which the trainer
+    runs in one call each)."""
     import torch
 
     from omnirl_core.contracts import RolloutPlan
     from omnirl_core.flow.policy_gradient import Transition, transition_stats
 
     plan = RolloutPlan(step_kinds=("sde",) * (steps - 1) + ("ode",), train_steps=tuple(range(steps - 1)), eta=eta)
-    samples = rollout(model, _requests(prompts, height, width, num_frames, plan, guidance_scale, 100))
+    samples = rollout(model, _requests(prompts, height, width, num_frames, plan, guidance_scale, 100, images))
     units = [Transition(s, j) for s in samples for j in plan.train_steps]
     units = units[::2] + units[1::2]
     stored = torch.stack([u.rollout_logprob for u in units])
@@ -184,10 +267,10 @@ def check_logprob_consistency(model: FlowModel, height: int, width: int, num_fra
             chunk = units[start:start + 5]
             logp = transition_stats(model, chunk, eta)[2].cpu()
             err = (logp - stored[start:start + 5]).abs().max().item()
-            assert err <= 1e-5, f"trainer log-prob differs from the rollout's by {err}"
+            assert err <= tolerance, f"trainer log-prob differs from the rollout's by {err}"
     logp = transition_stats(model, units[:4], eta)[2]
     ratio = torch.exp(logp - stored[:4].to(logp.device))
-    assert (ratio - 1).abs().max().item() <= 1e-5, ratio
+    assert (ratio - 1).abs().max().item() <= max(tolerance, 1e-6), ratio
     ratio.sum().backward()
     grads = [p.grad for p in model.trainable_parameters() if p.grad is not None]
     assert grads and any(float(g.abs().sum()) > 0 for g in grads), "no gradient reaches the trainable parameters"
@@ -237,17 +320,19 @@ def check_model_plugin(build: Callable[..., FlowModel], height: int, width: int,
                        render: Callable[[Any], torch.Tensor] | None = None,
                        load_lora: Callable[[Any, Path], object] | None = None, checkpointing: object = None,
                        blocks: Callable[[FlowModel], Sequence[torch.nn.Module]] | None = None,
-                       large_size: int | None = None) -> None:
+                       large_size: int | None = None, images: Sequence[str] = ()) -> None:
     """Every suite a flow-model plugin's tests run, in one call. ``build(gradient_checkpointing=False)`` returns a
     fresh model of the plugin's tiny preset, set up for training with LoRA (``trainable``). Always:
     ``check_flow_model`` (contract, shapes, guidance, reference, decode; batch invariance) and
     ``check_logprob_consistency`` (at ``guidance_scale``). With ``directory``, ``load_pipeline`` and ``render``:
     ``check_lora_roundtrip`` (the saved LoRA loads into the ecosystem's pipeline and changes its output). With
     ``blocks`` and ``large_size`` (the model honours ``gradient_checkpointing``): ``check_gradient_checkpointing``
-    on ``build(gradient_checkpointing=False)`` and ``build(gradient_checkpointing=True)`` with the same adapter."""
-    check_flow_model(build(gradient_checkpointing=False), height, width, num_frames)
+    on ``build(gradient_checkpointing=False)`` and ``build(gradient_checkpointing=True)`` with the same adapter.
+    ``images``: an image-conditioned model's condition images: the contract with images of one size (the first),
+    the log-prob agreement with all of them (give two sizes: the trainer's micro-batches then mix layouts)."""
+    check_flow_model(build(gradient_checkpointing=False), height, width, num_frames, images=images[:1])
     check_logprob_consistency(build(gradient_checkpointing=False), height, width, num_frames,
-                              guidance_scale=guidance_scale)
+                              guidance_scale=guidance_scale, images=images)
     if directory is not None and load_pipeline is not None and render is not None:
         check_lora_roundtrip(build(gradient_checkpointing=False), directory, load_pipeline, render, load_lora)
     if blocks is not None and large_size is not None:

@@ -291,6 +291,21 @@ def _algorithm_class() -> type:
     return SmallFlowGRPO
 
 
+def _token_algorithm_class() -> type:
+    """GSPO's structure (``TokenPolicyGradient``): the clipped, length-normalised sequence ratio."""
+    import torch
+
+    from omnirl_core.ar.policy_gradient import TokenPolicyGradient, masked_mean
+
+    class SmallGSPO(TokenPolicyGradient):
+        def surrogate(self, logp, old, mask, adv):
+            ratio = torch.exp(masked_mean(logp - old, mask))
+            low, high = 1.0 - self.options.clip_range, 1.0 + self.options.clip_range
+            return torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high)), {}
+
+    return SmallGSPO
+
+
 def _options(beta: float) -> Any:
     from types import SimpleNamespace
 
@@ -332,10 +347,12 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
     """The train-engine contract (``omnirl_core.contracts.TrainEngine``). ``build_engine(model, train)`` returns
     the engine on ``model`` with the ``TrainSection`` ``train`` (learning rate, minibatches, micro-batches), as
     its spec's factory would with the plugin's options and device; ``build_model()`` a fresh model set up for
-    training, the same base weights each call (default: the toy flow model with LoRA and a reference).
+    training, the same base weights each call (default: the toy flow model with LoRA and a reference; a token
+    model, ``omnirl_core.ar.model.CausalLMPolicy``, for the engines of AR models).
 
     One update with a small FlowGRPO (clipped ratio, exact KL to the reference, 2 minibatches of micro-batches
-    of 2) changes the trainable parameters and returns finite metrics, ``loss`` and ``grad_norm`` among them,
+    of 2; for a token model a small GSPO over ``ar_rollout``'s samples of ``PROMPTS``, k3 KL to the reference)
+    changes the trainable parameters and returns finite metrics, ``loss`` and ``grad_norm`` among them,
     with the engine's forward equal to the rollout's (``logprob/abs_delta_max`` within ``logprob_atol``);
     ``trained_state`` is CPU tensors equal to the model's, sharing no storage with the live weights;
     ``save_state`` into ``directory`` then ``load_state`` into an engine built afresh restores the weights and
@@ -345,10 +362,12 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
     import torch
 
     from omnirl_core.config import RunConfig
-    from omnirl_core.contracts import TrainEngine
+    from omnirl_core.contracts import TokenModel, TrainEngine
     from omnirl_core.testing import _requests, rollout
 
     build_model = build_model or toy_flow_model
+    model = build_model()
+    token = isinstance(model, TokenModel)
     if rank is None:
         import torch.distributed as dist
 
@@ -357,11 +376,14 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
     config.rollout.num_steps, config.rollout.height, config.rollout.width = num_steps, height, width
     train = config.train
     train.lr, train.minibatches, train.micro_batch_size = lr, 2, 2
-    algorithm = _algorithm_class()
+    algorithm = _token_algorithm_class() if token else _algorithm_class()
     controller = algorithm(_options(beta), config)
 
     def step_units(model: Any, step: int) -> list[Any]:
-        """A rollout of ``groups`` prompts x ``group_size`` samples by ``model``, rewarded by brightness."""
+        """A rollout of ``groups`` prompts x ``group_size`` samples by ``model``, rewarded by brightness (tokens:
+        by the length of the completion's text)."""
+        if token:
+            return token_units(model, step)
         plan = controller.plan(step)
         scale = guidance_scale if model.guidance != "none" else 1.0
         requests = []
@@ -379,10 +401,28 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
         controller.assign_advantages(samples)
         return samples
 
+    def token_units(model: Any, step: int) -> list[Any]:
+        from omnirl_core.ar.model import CausalLMPolicy
+        from omnirl_core.ar.policy_gradient import AR_PLAN
+        from omnirl_core.ar.sampling import SamplingParams
+        from omnirl_core.contracts import GenRequest
+        from omnirl_core.testing import ar_rollout
+
+        stop = model.stop_token_ids if isinstance(model, CausalLMPolicy) else ()
+        params = SamplingParams(max_new_tokens=3, stop_token_ids=stop)
+        requests = [GenRequest(uid=g * group_size + k, prompt=PROMPTS[g % len(PROMPTS)], prompt_index=g, group=g,
+                               seed=100 * step + 10 * g + k, height=0, width=0, plan=AR_PLAN)
+                    for g in range(groups) for k in range(group_size)]
+        samples = ar_rollout(model, requests, params)
+        for s in samples:
+            s.reward = float(len(str(s.output)))
+            s.rewards = {"length": s.reward}
+        controller.assign_advantages(samples)
+        return samples
+
     def units(samples: list[Any]) -> list[Any]:
         return controller.training_units(copy.deepcopy(samples))
 
-    model = build_model()
     engine = build_engine(model, train)
     assert isinstance(engine, TrainEngine), f"{type(engine).__name__} is not an omnirl_core.contracts.TrainEngine"
     assert engine.model is model, "the engine's `model` must be the model it trains"

@@ -2,13 +2,17 @@
 must not import a model plugin. Real components with random weights: a CLIP text encoder (``clip_tokenizer``),
 diffusers' QwenImage MMDiT (it masks padded prompt tokens, so prompts of any length batch together), a 4-channel
 ``AutoencoderKL`` (x4) and the size-shifted FlowMatchEuler schedule; latents (4, H/4, W/4), sizes multiples of 8,
-true CFG. Built in about a second, nothing saved."""
+true CFG. Built in about a second, nothing saved. ``ToyEditModel`` adds a source image (an editing model's
+condition image) to it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 
-from omnirl_core.contracts import Conditioning
+from omnirl_core.contracts import Conditioning, GenRequest
 from omnirl_core.flow.model import (
     DenoiserModel,
     check_size,
@@ -86,3 +90,53 @@ class ToyFlowModel(DenoiserModel):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         images = self.vae.decode(latents.to(self.device), return_dict=False)[0]
         return ((images.float() + 1) / 2).clamp(0, 1).cpu()
+
+
+class ToyEditModel(ToyFlowModel):
+    """``ToyFlowModel`` conditioned on a source image (for engine and algorithm tests of editing): the source, at its
+    own size floored to multiples of 8, is encoded by the toy VAE (the posterior's mean), packed into 2x2 tokens that
+    follow the noisy ones in the transformer's sequence (its own RoPE frame), and the noisy tokens' output is the
+    velocity. Sources of other sizes have other latent grids (``Conditioning.layout``, ``condition_key``)."""
+
+    capabilities = ToyFlowModel.capabilities | {"image-input"}
+    condition_images = 1
+
+    @staticmethod
+    def _grid(width: int, height: int) -> tuple[int, int]:
+        return height // 8, width // 8
+
+    def condition_key(self, request: GenRequest) -> tuple[tuple[int, int], ...] | None:
+        from PIL import Image
+
+        if not request.condition_images:
+            return None
+        with Image.open(request.condition_images[0]) as image:
+            return (self._grid(*image.size),)
+
+    @torch.no_grad()
+    def encode_with_images(self, prompts: list[str], images: Sequence[Sequence[str]]) -> list[Conditioning]:
+        from omnirl_core.data.images import image_tensor, load_image
+
+        text = self.encode(list(prompts))
+        rows = []
+        for i, paths in enumerate(images):
+            row = text.select([i])
+            if paths:
+                source = load_image(paths[0])
+                grid = self._grid(source.width, source.height)
+                pixels = image_tensor(paths[0], (grid[0] * 8, grid[1] * 8))[None].to(self.device)
+                latents = self.vae.encode(pixels * 2 - 1).latent_dist.mean
+                row = Conditioning({**row.tensors, "image_latents": pack_2x2(latents)}, row.pad_keys, layout=(grid,))
+            rows.append(row)
+        return rows
+
+    def _forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, h: int, w: int) -> torch.Tensor:
+        tokens = x.shape[1]
+        grids = cast("tuple[tuple[int, int], ...]", cond.layout or ())  # the sources' latent grids
+        shapes = [(1, h // 2, w // 2), *((1, a, b) for a, b in grids)]
+        if "image_latents" in cond.tensors:
+            x = torch.cat([x, cond.tensors["image_latents"]], dim=1)
+        mask = cond.tensors["prompt_mask"]
+        return self.denoiser(hidden_states=x, timestep=sigma, encoder_hidden_states=cond.tensors["prompt_embeds"],
+                             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                             img_shapes=[shapes] * x.shape[0], return_dict=False)[0][:, :tokens].float()

@@ -26,6 +26,7 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.flow.batching import grouped_velocity
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
 from omnirl_core.rl.ema import ShadowParameters
 
@@ -210,6 +211,12 @@ class DiffusionDPO(Algorithm):
                 "encode_images.",
                 hint="Use a model plugin with the encode_images capability, or algorithm.options.mode=online.",
             )
+        if model.condition_images > 0:
+            raise UsageError(
+                f"DPO offline mode does not give {type(model).__name__} the source images it edits: preference "
+                "records carry a prompt and two images, no source.",
+                hint="Train an editing model with algorithm.options.mode=online (pairs from one source's group).",
+            )
         height, width = self.config.rollout.height, self.config.rollout.width
         missing = sorted({p for u in units for p in (u.chosen_path, u.rejected_path)} - set(self._latents))
         if missing:
@@ -247,8 +254,8 @@ class DiffusionDPO(Algorithm):
         x0 = torch.stack([u.chosen for u in units] + [u.rejected for u in units]).to(device)
         eps = torch.stack([u.eps for u in units] * 2).to(device)
         s = torch.stack([u.sigma for u in units] * 2).to(device)
-        cond = Conditioning.cat([u.cond for u in units] * 2).to(device)
-        v = model.velocity(noised(x0, eps, s), s, cond, 1.0, None)
+        # pairs of sources of other sizes (an editing model's) do not share one call
+        v = grouped_velocity(model, noised(x0, eps, s), s, [u.cond for u in units] * 2)
         err = mean_over_dims((v.float() - velocity_target(x0, eps)) ** 2)
         n = len(units)
         return err[:n], err[n:]

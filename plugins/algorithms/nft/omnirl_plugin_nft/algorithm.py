@@ -32,6 +32,7 @@ from omnirl_core.algorithm import Algorithm
 from omnirl_core.config import RunConfig
 from omnirl_core.contracts import Conditioning, RolloutPlan, Sample, TrainingUnit
 from omnirl_core.errors import ConfigError, UsageError
+from omnirl_core.flow.batching import grouped_velocity
 from omnirl_core.flow.sampler import mean_over_dims, noised, training_sigmas, velocity_target
 from omnirl_core.rl.advantage import group_advantages
 from omnirl_core.rl.ema import ShadowParameters
@@ -190,8 +191,8 @@ class DiffusionNFT(Algorithm):
         x0 = torch.stack([u.x0 for u in units]).to(device)
         eps = torch.stack([u.eps for u in units]).to(device)
         s = torch.stack([u.sigma for u in units]).to(device)
-        cond = Conditioning.cat([u.cond for u in units]).to(device)
-        return model.velocity(noised(x0, eps, s), s, cond, 1.0, None).float()
+        # units of sources of other sizes (an editing model's) do not share one call
+        return grouped_velocity(model, noised(x0, eps, s), s, [u.cond for u in units]).float()
 
     def reference_prepare(self, model: Any, units: list[NFTUnit]) -> None:
         """Without grad, ``model`` being the reference (base) policy: its velocities."""

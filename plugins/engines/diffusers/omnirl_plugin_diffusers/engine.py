@@ -235,7 +235,10 @@ class DiffusersRolloutEngine(RolloutEngine):
             pending, self._inbox = self._inbox, []
         for request, arrival in pending:
             shape = tuple(self.model.latent_shape(request.height, request.width, request.num_frames))
-            slot = Slot(request=request, key=(shape, float(request.guidance_scale)),
+            # requests share a call only with the same latent shape, guidance and condition-token shapes (an edit's
+            # source images of one size): condition latents are concatenated to the sequence, never padded
+            key = (shape, float(request.guidance_scale), self.model.condition_key(request))
+            slot = Slot(request=request, key=key,
                         nbytes=math.prod(shape) * _FP32_BYTES, num_steps=request.plan.num_steps, arrival=arrival)
             self.progress.add(request.plan.num_steps)
             try:
@@ -268,13 +271,19 @@ class DiffusersRolloutEngine(RolloutEngine):
 
     def _activate(self, slots: list[Slot]) -> None:
         """Conditioning (one text-encoder call for the prompts not cached) and the initial latents."""
-        def encode() -> tuple[list[Conditioning], Conditioning | None]:
-            conds = self.embeddings.lookup([s.request.prompt for s in slots])
-            return conds, self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
+        if self.model.condition_images > 0:
+            conds, unconds = interruptible(_no_grad(lambda: self._encode_with_images(slots), self.device),
+                                           self.progress.waiting("encoding prompts and condition images"),
+                                           self.progress.heartbeat_s)
+        else:
+            def encode() -> tuple[list[Conditioning], Conditioning | None]:
+                conds = self.embeddings.lookup([s.request.prompt for s in slots])
+                return conds, self._negative() if any(s.request.guidance_scale > 1.0 for s in slots) else None
 
-        conds, uncond = interruptible(_no_grad(encode, self.device), self.progress.waiting("encoding prompts"),
-                                      self.progress.heartbeat_s)
-        for slot, cond in zip(slots, conds):
+            conds, uncond = interruptible(_no_grad(encode, self.device), self.progress.waiting("encoding prompts"),
+                                          self.progress.heartbeat_s)
+            unconds = [uncond] * len(slots)
+        for slot, cond, uncond in zip(slots, conds, unconds):
             r = slot.request
             shape = slot.key[0]
             x = _request_noise(r.noise_seed if r.noise_seed is not None else r.seed, shape)
@@ -285,6 +294,19 @@ class DiffusersRolloutEngine(RolloutEngine):
                 noise=torch.Generator().manual_seed(r.seed + 1),
                 cond=cond, uncond=uncond if r.guidance_scale > 1.0 else None,
             )
+
+    def _encode_with_images(self, slots: list[Slot]) -> tuple[list[Conditioning], list[Conditioning | None]]:
+        """An image-conditioned model's conditioning: per (prompt, condition images), shared by a group's samples
+        (the images' latents encoded once per group), and with CFG the negative prompt with the same images."""
+        images = [s.request.condition_images for s in slots]
+        conds = self.embeddings.lookup([s.request.prompt for s in slots], images)
+        guided = [j for j, s in enumerate(slots) if s.request.guidance_scale > 1.0]
+        unconds: list[Conditioning | None] = [None] * len(slots)
+        if guided:
+            negative = getattr(self.model, "negative_prompt", " ")
+            for j, row in zip(guided, self.embeddings.lookup([negative] * len(guided), [images[j] for j in guided])):
+                unconds[j] = row
+        return conds, unconds
 
     def _conditioning(self, batch: Batch) -> tuple[Conditioning, Conditioning | None]:
         """The batch's concatenated conditioning, reused while the bucket's members are unchanged."""

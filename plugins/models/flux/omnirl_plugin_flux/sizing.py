@@ -75,12 +75,13 @@ def _architecture(config: Any, options: Any) -> tuple[str, str, dict[str, Any], 
     return f"flux.1-{v}", v, full_size.TRANSFORMER, full_size.VAE, VAE_SCALE
 
 
-def probe(config: Any, options: Any, transformer: dict[str, Any] | None = None) -> DenoiserProbe:
+def probe(config: Any, options: Any, transformer: dict[str, Any] | None = None, condition: int = 0) -> DenoiserProbe:
     """The transformer at its width, ``n`` double-stream blocks with their share of single-stream ones (the
     released 19 + 38: one double and two single a unit); inputs for ``rollout.height x width`` (2x2-packed latent
     tokens) and T5 prompts of ``max_sequence_length`` tokens (the pipeline pads every prompt to it), CLIP's pooled
     embedding, the rotary ids of both, and dev's guidance scale. ``transformer``: another transformer
-    configuration (a test's small one) instead of the run's."""
+    configuration (a test's small one) instead of the run's. ``condition``: a Kontext source image's tokens, which
+    follow the noisy ones in the sequence."""
     from diffusers import FluxTransformer2DModel
 
     from omnirl_plugin_flux.model import FluxModel
@@ -105,11 +106,11 @@ def probe(config: Any, options: Any, transformer: dict[str, Any] | None = None) 
     def inputs(module: torch.nn.Module, batch: int) -> dict[str, Any]:
         meta = {"device": "meta", "dtype": dtype}
         return {
-            "hidden_states": torch.empty(batch, h * w, arch["in_channels"], **meta),
+            "hidden_states": torch.empty(batch, h * w + condition, arch["in_channels"], **meta),
             "encoder_hidden_states": torch.empty(batch, text, arch["joint_attention_dim"], **meta),
             "pooled_projections": torch.empty(batch, arch["pooled_projection_dim"], **meta),
             "timestep": torch.empty(batch, **meta),
-            "img_ids": torch.empty(h * w, 3, **meta),
+            "img_ids": torch.empty(h * w + condition, 3, **meta),
             "txt_ids": torch.empty(text, 3, **meta),
             # the scale per sample in float32, as the model passes it; schnell has no guidance embedding
             "guidance": torch.empty(batch, device="meta", dtype=torch.float32) if v == "dev" else None,
@@ -118,7 +119,7 @@ def probe(config: Any, options: Any, transformer: dict[str, Any] | None = None) 
 
     return DenoiserProbe(build=build, layers=arch["num_layers"],
                          blocks=lambda m: [*m.transformer_blocks, *m.single_transformer_blocks],
-                         inputs=inputs, lora_targets=targets, key=(label, str(dtype), h, w, text, targets))
+                         inputs=inputs, lora_targets=targets, key=(label, str(dtype), h, w, condition, text, targets))
 
 
 def decoder(config: Any, options: Any) -> plan.DecoderProbe:
@@ -132,7 +133,7 @@ def decoder(config: Any, options: Any) -> plan.DecoderProbe:
                             dtype, key=(label, str(dtype), h, w))
 
 
-def sizing(config: Any, options: Any) -> plan.ModelSizing:
+def sizing(config: Any, options: Any, condition: int = 0) -> plan.ModelSizing:
     from omnirl_core.loop.distributed import shard_units
     from omnirl_plugin_flux.model import FluxModel
 
@@ -146,7 +147,17 @@ def sizing(config: Any, options: Any) -> plan.ModelSizing:
         preset = None
     result = plan.pipeline_sizing(config, components, ("transformer",), FluxModel.default_lora_targets,
                                   shard_units(components["transformer"]), ("text_encoder", "text_encoder_2", "vae"),
-                                  probe(config, options), decoder(config, options), preset=preset)
+                                  probe(config, options, condition=condition), decoder(config, options), preset=preset)
     if v == "dev" and config.rollout.guidance_scale > 1.0:
         result.notes.append(EMBEDDED_GUIDANCE_NOTE)
+    return result
+
+
+def kontext_sizing(config: Any, options: Any) -> plan.ModelSizing:
+    """FLUX.1 Kontext: FLUX.1-dev's architecture with one source image's tokens after the noisy ones (a square source
+    at ``condition_area`` pixels; None: the pipeline's 1024 x 1024)."""
+    scale = tiny.VAE_SCALE if config.model.preset == "tiny" else VAE_SCALE
+    side = int((getattr(options, "condition_area", None) or 1024 * 1024) ** 0.5) // (scale * PATCH)
+    result = sizing(config, options, condition=side * side)
+    result.notes.append(f"one source image per prompt: {side * side} transformer tokens")
     return result

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from omnirl_core.rewards.client import RemoteOptions, RemoteReward
 
 from omnirl_core.loop.distributed import free_port
+from omnirl_core.rewards.client import RemoteOptions, RemoteReward
 from omnirl_core.rewards.server import RewardServer
 from omnirl_core.rewards_kit import build_reward
 from omnirl_core.testing.forkserver import run_omnirl

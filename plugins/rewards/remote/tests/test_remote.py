@@ -20,11 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from omnirl_core.rewards.client import RemoteOptions, RemoteReward, RemoteRewardError
 
 from omnirl_core.contracts import Reward
 from omnirl_core.errors import UsageError
 from omnirl_core.loop.distributed import free_port
+from omnirl_core.rewards.client import RemoteOptions, RemoteReward, RemoteRewardError
 from omnirl_core.rewards.server import TOKEN_ENV, RewardServer
 from omnirl_core.rewards.wire import CONTENT_TYPE, EncodedRequest
 from omnirl_core.testing.forkserver import run_omnirl

@@ -37,6 +37,8 @@ class Template:
     parse: str
     score_range: tuple[float, float] | None = None
     score_prefix: str = ""
+    source: bool = False
+    """The judge sees the prompt's source image (an edit's) before the sample."""
 
 
 TEMPLATES = {
@@ -67,6 +69,15 @@ TEMPLATES = {
         'broken) to 10 (perfect). Reply with a JSON object only: {"score": <number from 0 to 10>, '
         '"reason": "<one sentence>"}',
         parse="json", score_range=(0.0, 10.0)),
+    "edit": Template(
+        "You are an expert judge of image edits. The first image is the source; the second is the result of "
+        "editing it with this instruction:\n"
+        "{prompt}\n"
+        "Rate the result from 0 to 10: how completely it carries out the instruction, and how well it keeps "
+        "everything the instruction does not ask to change (layout, objects, colours, background, identity). "
+        "10: the instruction is carried out exactly and nothing else changed; 0: the instruction is ignored or the "
+        "image is unrelated or broken. Reply with the number only.",
+        parse="number", score_range=(0.0, 10.0), source=True),
 }
 AUTO_TEMPLATE = {"number": "pointwise", "yes-logprob": "yes-no", "json": "json"}
 
@@ -136,7 +147,11 @@ class VLMJudgeOptions(BaseModel):
         "of a JSON object in the reply).")
     prompt_template: str = Field(
         "auto", description="The question sent with each image: a built-in (pointwise, unifiedreward, yes-no, "
-        "json; auto: pointwise, yes-no or json after parse) or your own text with {prompt} in it.")
+        "json, edit; auto: pointwise, yes-no or json after parse) or your own text with {prompt} in it. edit: "
+        "the source image, then the result, judged on instruction-following and preservation.")
+    source_image: bool | None = Field(
+        None, description="Send the prompt's source image (its record's 'image', an edit's) before the sample. "
+        "Unset: the template's (edit: yes; the others: no).")
     score_range: tuple[float, float] | None = Field(
         None, description="The judge's scale as (low, high), mapped to [0, 1]; a score outside it is an error. "
         "Unset: the built-in template's range (pointwise, json: [0, 10]; unifiedreward: [1, 5]), none for "
@@ -210,4 +225,10 @@ class VLMJudgeOptions(BaseModel):
             base.text, base.parse,
             score_range=self.score_range if self.score_range is not None else base.score_range,
             score_prefix=self.score_prefix if self.score_prefix is not None else base.score_prefix,
+            source=self.source_image if self.source_image is not None else base.source,
         )
+
+
+def input_fields(options: VLMJudgeOptions | None) -> tuple[str, ...]:
+    """The prompt-record fields the judge reads: the source image when it sends one (checked at dry-run)."""
+    return ("image",) if (options or VLMJudgeOptions()).template().source else ()

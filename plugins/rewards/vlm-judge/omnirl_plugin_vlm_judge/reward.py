@@ -1,7 +1,8 @@
 """The ``vlm-judge`` reward: each image and its prompt go to a VLM served with the OpenAI-compatible
 chat-completions API (vLLM, SGLang, vllm-omni); the score is parsed from the reply.
 
-One image per request (a base64 PNG data URL in an ``image_url`` content part; JPEG with ``image_format``), ``temperature`` 0. A batch
+One image per request (a base64 PNG data URL in an ``image_url`` content part; JPEG with ``image_format``), preceded
+by the prompt's source image for an edit (the ``edit`` template, ``source_image``), ``temperature`` 0. A batch
 is judged with up to ``concurrency`` requests in flight. The requests run on one asyncio event loop in a
 background thread (an ``aiohttp.ClientSession`` and its connection pool: a C HTTP parser, about a fifth of the
 client CPU per request that httpx took, which a remote judge spends on the trainer's cores). Each request is
@@ -126,6 +127,7 @@ class VLMJudge(Reward):
     def __init__(self, options: VLMJudgeOptions | None = None):
         self.options = options or VLMJudgeOptions()
         self.template = self.options.template()
+        self.uses_inputs = self.template.source  # the source image is the prompt record's
         self.endpoint = chat_completions_url(self.options.url)
         self.shown_url = display_url(self.endpoint)
         # the key only from the environment, read once; kept out of repr, messages and logs
@@ -198,10 +200,12 @@ class VLMJudge(Reward):
         """Images judged at once (``concurrency``): a Ray reward actor's calls carry up to this many."""
         return self.options.concurrency
 
-    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str]) -> list[float]:
-        return self.submit(outputs, prompts).result()
+    def __call__(self, outputs: Sequence[Any], prompts: Sequence[str],
+                 inputs: Sequence[dict[str, Any]] | None = None) -> list[float]:
+        return self.submit(outputs, prompts, inputs).result()
 
-    def submit(self, outputs: Sequence[Any], prompts: Sequence[str]) -> concurrent.futures.Future:
+    def submit(self, outputs: Sequence[Any], prompts: Sequence[str],
+               inputs: Sequence[dict[str, Any]] | None = None) -> concurrent.futures.Future:
         """Encodes the requests here, then judges them on the judge's own event loop: returns at once, with
         the future of the scores (what a Ray async reward actor awaits: calls overlap without a thread each).
         Cancelling the future cancels the requests."""
@@ -213,15 +217,35 @@ class VLMJudge(Reward):
             future.set_result([])
             return future
         opts = self.options
-        bodies = [self.request_body(image_data_url(o, opts.image_format, opts.jpeg_quality), p)
-                  for o, p in zip(outputs, prompts)]
+        try:
+            sources = self._sources(inputs, len(outputs))
+        except (ValueError, OSError) as exc:
+            future.set_exception(JudgeError(f"vlm-judge sends each edit's source image: {exc}"))
+            return future
+        bodies = [self.request_body(image_data_url(o, opts.image_format, opts.jpeg_quality), p, s)
+                  for o, p, s in zip(outputs, prompts, sources)]
         return asyncio.run_coroutine_threadsafe(self._score_all(bodies), self._start())
 
-    def request_body(self, image_url: str, prompt: str) -> bytes:
+    def _sources(self, inputs: Sequence[dict[str, Any]] | None, count: int) -> list[list[str]]:
+        """Each sample's source image(s) as data URLs (none unless the template sends them)."""
+        if not self.template.source:
+            return [[] for _ in range(count)]
+        if inputs is None or len(inputs) != count:
+            raise ValueError("it was called without the prompts' records (the runtime passes them to a reward that "
+                             "uses_inputs)")
+        from omnirl_core.rewards_kit.sources import source_images
+
+        opts = self.options
+        return [[image_data_url(s, opts.image_format, opts.jpeg_quality) for s in source_images(record)]
+                for record in inputs]
+
+    def request_body(self, image_url: str, prompt: str, sources: Sequence[str] = ()) -> bytes:
+        """The chat completion: the source image(s) of an edit first, then the sample, then the question."""
         opts = self.options
         body: dict[str, Any] = {
             "model": opts.model,
             "messages": [{"role": "user", "content": [
+                *({"type": "image_url", "image_url": {"url": url}} for url in sources),
                 {"type": "image_url", "image_url": {"url": image_url}},
                 # replace, not format: a custom template may hold JSON braces
                 {"type": "text", "text": self.template.text.replace("{prompt}", prompt)},

@@ -468,3 +468,34 @@ def test_stand_in_server_bounds_bodies_as_the_reward_server_does():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- editing: the source image goes first ---------------------------------------------------------------------
+
+def test_edit_template_sends_the_source_then_the_result(fake_judge, tmp_path):
+    """The ``edit`` template: each request holds the prompt's source image (its record's 'image'), then the edited
+    sample, then the instruction; the reward declares the field so that --dry-run checks the data has it."""
+    from omnirl_plugin_vlm_judge.options import input_fields
+
+    source = tmp_path / "source.png"
+    Image.new("RGB", (10, 6), (0, 0, 255)).save(source)
+    judge_server = fake_judge()
+    options = VLMJudgeOptions(url=judge_server.url, prompt_template="edit")
+    judge = VLMJudge(options)
+    assert judge.uses_inputs and not VLMJudge(VLMJudgeOptions()).uses_inputs
+    assert input_fields(options) == ("image",) and input_fields(VLMJudgeOptions()) == ()
+    try:
+        assert judge([np.full((3, 4, 6), 1.0, np.float32)], ["make it red"], inputs=[{"image": str(source)}]) == [0.7]
+        with pytest.raises(Exception, match="no source image"):
+            judge([BRIGHT], ["make it red"], inputs=[{"answer": "x"}])
+    finally:
+        judge.close()
+    [message] = judge_server.requests[0]["body"]["messages"]
+    first, second, text = message["content"]
+    pngs = [Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].split(",", 1)[1]))) for part in (first, second)]
+    assert [p.size for p in pngs] == [(10, 6), (6, 4)]  # the source as it is, then the sample
+    assert np.asarray(pngs[0].convert("RGB"))[0, 0].tolist() == [0, 0, 255]
+    assert "make it red" in text["text"] and "first image is the source" in text["text"]
+    assert len(judge_server.requests) == 1  # the record without a source never reached the judge
+    own = VLMJudgeOptions(prompt_template="Edit: {prompt}. Score 0-10.", source_image=True, score_range=(0, 10))
+    assert own.template().source and input_fields(own) == ("image",)

@@ -6,6 +6,11 @@ same files byte for byte (a test checks that the shipped files are what it write
 Each line is a JSON record: ``prompt``, ``split`` (``train`` or ``test``; about a fifth held out) and the
 fields a reward can check against. The words were written for omnirl; colour words are those the ``color``
 reward knows, one per prompt (except ``composition``, which names two, the first being the main object).
+
+``edits`` is an editing set: each instruction ("make the square on the left red") comes with a small generated
+source picture (``image``: a shape of another colour on a neutral background, ``edits/NNNN.png``) and the mask of
+the region the edit may change (``mask``: the shape, a little dilated); the instruction names only the target
+colour (``color``), so a colour reward can read it from the text.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TEST_SHARE = 0.2
@@ -121,16 +127,80 @@ def composition() -> list[dict]:
     return out
 
 
-SETS = {"colors": colors, "text": text, "counting": counting, "composition": composition}
+EDIT_SIZE = 64
+"""Side of the edit set's source pictures, in pixels."""
+EDIT_SHAPES = ["square", "circle", "triangle", "diamond"]
+EDIT_COLORS = ["red", "green", "blue", "yellow", "cyan", "magenta", "orange", "purple"]
+EDIT_BACKGROUNDS = ["white", "black", "gray"]
+EDIT_POSITIONS = {"on the left": (0.3, 0.5), "on the right": (0.7, 0.5), "at the top": (0.5, 0.3),
+                  "at the bottom": (0.5, 0.7), "in the middle": (0.5, 0.5)}
+EDIT_TEMPLATES = ["make the {shape} {position} {color}", "turn the {shape} {position} {color}",
+                  "paint the {shape} {position} {color}", "change the {shape} {position} to {color}"]
+RGB = {"red": (230, 30, 30), "green": (30, 200, 40), "blue": (30, 60, 230), "yellow": (240, 220, 30),
+       "cyan": (30, 210, 220), "magenta": (220, 40, 210), "orange": (245, 140, 20), "purple": (130, 40, 160),
+       "white": (255, 255, 255), "black": (0, 0, 0), "gray": (128, 128, 128)}
+
+
+def edits() -> list[dict]:
+    rng = random.Random(5)
+    out: list[dict] = []
+    for shape in EDIT_SHAPES:
+        for position, (cx, cy) in EDIT_POSITIONS.items():
+            for color in EDIT_COLORS:
+                for template in rng.sample(EDIT_TEMPLATES, 2):
+                    half = rng.randint(8, 12)
+                    x, y = round(cx * EDIT_SIZE) + rng.randint(-2, 2), round(cy * EDIT_SIZE) + rng.randint(-2, 2)
+                    n = len(out)
+                    out.append({"prompt": template.format(shape=shape, position=position, color=color),
+                                "image": f"edits/{n:04d}.png", "mask": f"edits/{n:04d}-mask.png", "color": color,
+                                "object": shape, "position": position,
+                                "source_color": rng.choice([c for c in EDIT_COLORS if c != color]),
+                                "background": rng.choice(EDIT_BACKGROUNDS),
+                                "box": [x - half, y - half, x + half, y + half]})
+    return out
+
+
+def draw_edit(record: dict) -> tuple[Any, Any]:
+    """The source picture (RGB) and the edit mask (L: 255 where the edit may change pixels) of an ``edits`` record."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (EDIT_SIZE, EDIT_SIZE), RGB[record["background"]])
+    mask = Image.new("L", (EDIT_SIZE, EDIT_SIZE), 0)
+    x0, y0, x1, y1 = record["box"]
+    for canvas, fill, grow in ((ImageDraw.Draw(image), RGB[record["source_color"]], 0), (ImageDraw.Draw(mask), 255, 2)):
+        box = [x0 - grow, y0 - grow, x1 + grow, y1 + grow]
+        if record["object"] == "square":
+            canvas.rectangle(box, fill=fill)
+        elif record["object"] == "circle":
+            canvas.ellipse(box, fill=fill)
+        elif record["object"] == "triangle":
+            canvas.polygon([((box[0] + box[2]) / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+        else:  # diamond
+            mx, my = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
+            canvas.polygon([(mx, box[1]), (box[2], my), (mx, box[3]), (box[0], my)], fill=fill)
+    return image, mask
+
+
+SETS = {"colors": colors, "text": text, "counting": counting, "composition": composition, "edits": edits}
 
 
 def render(name: str) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in _with_split(SETS[name]()))
 
 
+def write_edit_images(folder: Path) -> None:
+    """The ``edits`` set's pictures and masks (PNG) under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for record in edits():
+        image, mask = draw_edit(record)
+        image.save(folder.parent / record["image"], optimize=True)
+        mask.save(folder.parent / record["mask"], optimize=True)
+
+
 def main() -> None:
     for name in SETS:
         (HERE / f"{name}.jsonl").write_text(render(name), encoding="utf-8")
+    write_edit_images(HERE / "edits")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""omnirl engine plugin: training the Qwen3-Omni thinker with Megatron-Core (tensor and expert parallelism)."""

@@ -1,0 +1,186 @@
+"""The megatron engine on CPU (gloo): the core's train-engine contract, and GSPO on the tiny Qwen3-Omni thinker
+through the real worker with 2 ranks (tensor parallel, expert parallel, both) against the single-process torch
+engine; its sharded checkpoint resumes on the same layout bit for bit and loads on other layouts exactly.
+
+Every process is a script (``rank_job.py``, ``contract_job.py``): megatron's parallel state is process-global.
+
+The bound: two GSPO steps (2 minibatches each, so 4 AdamW steps at lr 1e-3) from the same samples leave every
+weight within 1e-5 = 1e-2 lr of the torch engine's. Megatron computes the same function in another order (fused
+QKV, its attention and router kernels, the tensor-parallel partial sums), so the gradients differ in their last
+bits, and AdamW's first steps move each weight by about lr x sign(gradient) whatever its size: a gradient
+element whose rounding is comparable to itself moves its weight by up to lr. The torch engine against itself with
+another micro-batch split (the same sums in another order) differs by 1.7e-6 on this run; the megatron layouts by
+1.9e-6 (tensor parallel) to 2.7e-6 (expert parallel), on the same weights (router and experts, which see few
+tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from omnirl_core.loop.distributed import free_port
+from omnirl_core.testing.forkserver import run_script
+
+pytestmark = [pytest.mark.engines, pytest.mark.slow]
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install omnirl-plugin-megatron)")
+
+HERE = Path(__file__).parent
+LR = 1e-3  # rank_job.py's
+BOUND = 1e-2 * LR
+LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"tensor_parallel": 1, "expert_parallel": 2},
+           "tp2-ep2": {"tensor_parallel": 2, "expert_parallel": 2}}
+
+
+def _launch(script: str, args: list[str], world: int) -> list[str]:
+    port = str(free_port())
+
+    def rank(index: int):
+        env = {**os.environ, "RANK": str(index), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        if world == 1:
+            env.pop("RANK"), env.pop("WORLD_SIZE")
+        return run_script(HERE / script, args, env=env, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=world) as pool:
+        procs = list(pool.map(rank, range(world)))
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return [proc.stdout for proc in procs]
+
+
+def _job(out: Path, engine: str, world: int = 1, options: dict | None = None, *extra: str) -> Path:
+    _launch("rank_job.py", ["--engine", engine, "--options", json.dumps(options or {}), "--out", str(out), *extra],
+            world)
+    return out
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    assert x.keys() == y.keys()
+    return max(float((x[k] - y[k]).abs().max()) for k in x) if x else 0.0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("megatron")
+    out = {"torch": _job(root / "torch", "torch")}
+    for name, options in LAYOUTS.items():
+        extra = ("--save-shards",) if name == "tp2" else ()
+        out[name] = _job(root / name, "megatron", 2, options, *extra)
+    return out
+
+
+def test_importing_the_plugin_is_cheap():
+    import subprocess
+    import sys
+
+    code = "import sys, omnirl_plugin_megatron; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2)])
+def test_weights_shard_and_gather_back_exactly(tp: int, ep: int):
+    """transformers -> megatron shards on every rank of a layout -> whole -> transformers, bit for bit (GQA with
+    2 heads per group, 4 experts, a dense layer after a MoE one, and qkv biases)."""
+    from types import SimpleNamespace
+
+    import torch
+    from omnirl_plugin_megatron import thinker
+
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=16, num_attention_heads=8, num_key_value_heads=4,
+                             head_dim=4, intermediate_size=24, moe_intermediate_size=8, num_experts=4,
+                             decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False, attention_bias=True)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed_tokens.weight": (32, 16), "norm.weight": (16,)}
+    for i in range(2):
+        shapes.update({f"layers.{i}.input_layernorm.weight": (16,), f"layers.{i}.post_attention_layernorm.weight": (16,),
+                       f"layers.{i}.self_attn.q_proj.weight": (32, 16), f"layers.{i}.self_attn.q_proj.bias": (32,),
+                       f"layers.{i}.self_attn.k_proj.weight": (16, 16), f"layers.{i}.self_attn.k_proj.bias": (16,),
+                       f"layers.{i}.self_attn.v_proj.weight": (16, 16), f"layers.{i}.self_attn.v_proj.bias": (16,),
+                       f"layers.{i}.self_attn.o_proj.weight": (16, 32), f"layers.{i}.self_attn.q_norm.weight": (4,),
+                       f"layers.{i}.self_attn.k_norm.weight": (4,)})
+    shapes.update({"layers.0.mlp.gate.weight": (4, 16), "layers.0.mlp.experts.gate_up_proj": (4, 16, 16),
+                   "layers.0.mlp.experts.down_proj": (4, 16, 8), "layers.1.mlp.gate_proj.weight": (24, 16),
+                   "layers.1.mlp.up_proj.weight": (24, 16), "layers.1.mlp.down_proj.weight": (16, 24)})
+    hf = {thinker.PREFIX + k: torch.randn(v, generator=g) for k, v in shapes.items()}
+    hf["lm_head.weight"] = torch.randn(32, 16, generator=g)
+    assert sorted(hf) == sorted(thinker.hf_names(config))
+    etp = tp if ep == 1 else 1
+    layouts = [thinker.Layout(tp=tp, tp_rank=r % tp, ep=ep, ep_rank=r % ep, etp=etp, etp_rank=r % etp)
+               for r in range(max(tp, ep))]
+    full = thinker.to_megatron(hf, config)
+    pieces = [(layout, thinker.shard(full, layout, config.num_experts)) for layout in layouts]
+    if tp > 1:  # a split weight is really split
+        assert pieces[0][1]["embedding.word_embeddings.weight"].shape == (32 // tp, 16)
+    back = thinker.to_hf(thinker.unshard(pieces, config.num_experts), config)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_train_engine_contract_on_one_rank(tmp_path: Path):
+    (stdout,) = _launch("contract_job.py", [str(tmp_path)], 1)
+    assert "loss " in stdout
+    assert (tmp_path / "shards" / "rank-00000-of-00001.safetensors").is_file()
+    assert (tmp_path / "model" / "config.json").is_file()  # the transformers layout, for the rollout side
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_match_the_single_process_engine(runs: dict[str, Path], layout: str):
+    torch_run, run = runs["torch"], runs[layout]
+    assert _max_diff(torch_run / "state-0.safetensors", run / "state-0.safetensors") == 0.0  # converted exactly
+    moved = _max_diff(torch_run / "state-0.safetensors", torch_run / "state-1.safetensors")
+    assert moved > 100 * BOUND  # the update is real
+    for step in (1, 2):
+        diff = _max_diff(torch_run / f"state-{step}.safetensors", run / f"state-{step}.safetensors")
+        print(f"{layout} step {step}: max |megatron - torch| = {diff:.3g}")
+        assert diff <= BOUND, (layout, step, diff)
+    ours, theirs = (json.loads((r / "metrics.json").read_text()) for r in (run, torch_run))
+    for step in ("1", "2"):
+        assert ours[step]["logprob/abs_delta_max"] < 1e-5  # megatron's scoring = the rollout's log-probs
+        assert abs(ours[step]["loss"] - theirs[step]["loss"]) < 1e-5
+
+
+def test_checkpoint_resumes_exactly_on_the_same_layout(runs: dict[str, Path], tmp_path: Path):
+    saved = runs["tp2"]
+    assert {p.name for p in (saved / "ckpt" / "shards").glob("*.safetensors")} == \
+        {"rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"}
+    assert (saved / "ckpt" / "model" / "config.json").is_file()
+    again = _job(tmp_path / "again", "megatron", 2, LAYOUTS["tp2"], "--load-shards", str(saved / "ckpt"))
+    assert _max_diff(saved / "state-1.safetensors", again / "loaded.safetensors") == 0.0
+    assert _max_diff(saved / "state-2.safetensors", again / "state-2.safetensors") == 0.0
+
+
+@pytest.mark.parametrize(("world", "layout"), [(1, {}), (2, LAYOUTS["ep2"])], ids=["one-rank", "expert-parallel"])
+def test_checkpoint_loads_on_another_layout(runs: dict[str, Path], tmp_path: Path, world: int, layout: dict):
+    saved = runs["tp2"]
+    moved = _job(tmp_path / "moved", "megatron", world, layout, "--load-shards", str(saved / "ckpt"))
+    assert _max_diff(saved / "state-1.safetensors", moved / "loaded.safetensors") == 0.0
+    assert _max_diff(saved / "state-2.safetensors", moved / "state-2.safetensors") <= BOUND
+
+
+def test_cli_trains_the_tiny_thinker_and_resumes_bit_for_bit(tmp_path: Path):
+    """The real CLI (inline, one rank): 2 steps, and the same run stopped after 1 and resumed to 2."""
+    from safetensors.torch import load_file
+
+    from omnirl_core.testing import run_train
+
+    args = ("--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--set", "train.engine=megatron",
+            "--set", "model.lora.enabled=false", "--set", "rollout.prompts_per_step=2", "--set",
+            "rollout.group_size=4", "--set", "run.threads=1")
+    whole = run_train(tmp_path / "whole", *args, "--steps", "2")
+    assert [r["step"] for r in whole] == [1, 2]
+    assert whole[0]["logprob/abs_delta_max"] < 1e-5 and whole[0]["grad_norm"] > 0
+    run_train(tmp_path / "resumed", *args, "--steps", "1")
+    resumed = run_train(tmp_path / "resumed", *args, "--steps", "2")
+    assert [(r["loss"], r["grad_norm"], r["reward/mean"]) for r in resumed] == \
+        [(r["loss"], r["grad_norm"], r["reward/mean"]) for r in whole]
+    last = "checkpoints/step-000002/model/model.safetensors"
+    a, b = load_file(str(tmp_path / "whole" / last)), load_file(str(tmp_path / "resumed" / last))
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
