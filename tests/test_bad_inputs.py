@@ -224,6 +224,9 @@ def test_prompt_data_without_the_field_a_reward_reads_is_refused_at_dry_run(tmp_
 
 def test_media_inputs_the_model_cannot_read_are_refused_at_dry_run(tmp_path):
     """qwen-image reads no image inputs: a record with one would be ignored without a word."""
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "apple.png")  # a real picture: the data layer reads it
     data = tmp_path / "edits.jsonl"
     data.write_text(json.dumps({"prompt": "a red apple"}) + "\n"
                     + json.dumps({"prompt": "make it blue", "image": str(tmp_path / "apple.png")}) + "\n")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omnirl_core.config import RunConfig
-from omnirl_core.errors import ConfigError
+from omnirl_core.errors import ConfigError, UsageError
 from omnirl_core.planning.activations import DenoiserProbe, _prepare, trace_activations
 from omnirl_core.planning.measure import training_step_peak_bytes
 from omnirl_core.planning.model import ModelSizing
@@ -74,7 +74,7 @@ def test_parse_bytes():
 
 
 def _resolved(config: dict, needs_reference: bool = True, needs_ema: bool = False, engine: str = "torch",
-              beta: float = 0.04) -> SimpleNamespace:
+              beta: float = 0.04, parallel: dict | None = None, keeps_model: bool = False) -> SimpleNamespace:
     cfg = RunConfig.model_validate(config)
 
     def dump() -> dict:
@@ -85,7 +85,8 @@ def _resolved(config: dict, needs_reference: bool = True, needs_ema: bool = Fals
     return SimpleNamespace(
         config=cfg, options={"model.options": None, "algorithm.options": SimpleNamespace(beta=beta)},
         algorithm=SimpleNamespace(needs_reference=needs_reference, needs_ema=needs_ema, name="algo", min_group_size=2),
-        train_engine=SimpleNamespace(name=engine, shards=engine == "fsdp2"),
+        train_engine=SimpleNamespace(name=engine, shards=engine != "torch", parallel=parallel or {},
+                                     keeps_model=keeps_model, trains_lora=True),
         rollout_engine=SimpleNamespace(name="diffusers", batch_option="max_num_seqs"),
         model=SimpleNamespace(name="toy", sizing=None), dump=dump)
 
@@ -138,3 +139,70 @@ def test_a_plan_that_does_not_fit_is_refused_with_the_numbers_and_the_fixes():
     assert "does not fit in 80 GiB per device" in text and "activations (largest phase)" in text
     assert "fits with" in text
 
+
+
+# a MoE decoder: 8 GiB of experts (128 of them), 1 GiB of linear / embedding layers, 2**20 norm and router parameters
+MOE = {"components": {"decoder": 8 * GIB + GIB + 2**20}, "trained": ("decoder",), "trainable": 8 * GIB + GIB + 2**20,
+       "lora": False, "hidden": 1024, "layers": 8, "tokens": 512, "experts": 8 * GIB, "tensor_split": GIB,
+       "parallel_units": {"tensor": (8, "key/value heads"), "expert": (128, "experts")}}
+MEGATRON = {"tensor": "tensor_parallel", "expert": "expert_parallel", "data": ""}
+
+
+def _model_parallel(options: dict, ranks: int = 8, keeps_model: bool = True):
+    config = {"model": {"dtype": "bfloat16", "lora": {"enabled": False}}, "train": {"options": options, "micro_batch_size": 4},
+              "run": {"executor": "ray", "placement": "split", "train_workers": ranks}}
+    resolved = _resolved(config, beta=0.0, engine="megatron", parallel=MEGATRON, keeps_model=keeps_model)
+    return plan_memory(resolved, None, ModelSizing(**MOE))
+
+
+def test_tensor_and_expert_parallel_split_what_the_model_says_they_split():
+    plan = _model_parallel({"tensor_parallel": 2, "expert_parallel": 8})
+    assert plan.parallel == {"tensor": 2, "expert": 8, "data": 4}
+    actor = plan.groups[0].rows
+    per_rank = 2**20 + GIB // 2 + 8 * GIB // 8  # norms whole, linear layers / TP, experts / EP
+    assert actor["weights (megatron shards)"] == 2 * per_rank and actor["gradients"] == 2 * per_rank
+    assert actor["optimizer (AdamW)"] == 4 * per_rank
+    assert actor["weights/decoder"] == 2 * MOE["trainable"]  # the model's module stays whole
+    assert "fsdp2 gathered blocks" not in actor
+    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 2, expert 8, data 4" in plan.table()
+    # without expert parallelism the experts split over the tensor-parallel ranks (megatron's expert TP)
+    tp_only = _model_parallel({"tensor_parallel": 8, "expert_parallel": 1}).groups[0].rows
+    assert tp_only["weights (megatron shards)"] == 2 * (2**20 + GIB // 8 + 8 * GIB // 8)
+    # an engine that splits its trained component itself holds only its share of it
+    own = _model_parallel({"tensor_parallel": 2, "expert_parallel": 8}, keeps_model=False).groups[0].rows
+    assert own["weights/decoder"] == 2 * per_rank and "weights (megatron shards)" not in own
+
+
+def test_tensor_parallel_splits_most_of_the_activations():
+    one = _model_parallel({"tensor_parallel": 1}, keeps_model=False).groups[0].rows["activations (train)"]
+    four = _model_parallel({"tensor_parallel": 4}, keeps_model=False).groups[0].rows["activations (train)"]
+    # Korthikanti et al. 2022: 34 sbh per layer, 10 + 24/t with tensor parallelism t
+    assert one == 8 * 17 * 512 * 1024 * 4 * 2 and four == 8 * 8 * 512 * 1024 * 4 * 2
+
+
+@pytest.mark.parametrize("options,problem", [
+    ({"tensor_parallel": 3}, "train.options.tensor_parallel=3 (tensor parallel) does not divide the 8 train ranks"),
+    ({"tensor_parallel": None}, "tensor_parallel=16 (tensor parallel) exceeds the model's 8 key/value heads"),
+    ({"tensor_parallel": 1, "expert_parallel": 16}, "expert_parallel=16 (expert parallel) does not divide the 8 train"),
+])
+def test_a_bad_degree_is_a_usage_error_naming_it(options: dict, problem: str):
+    ranks = 16 if options.get("tensor_parallel", 0) is None else 8
+    with pytest.raises(UsageError) as info:
+        _model_parallel(options, ranks=ranks)
+    assert info.value.exit_code == 2
+    assert problem.replace("8 train", f"{ranks} train") in info.value.render()
+
+
+def test_sequence_parallel_splits_the_tokens_and_fsdp_still_shards_over_every_rank():
+    def plan(ulysses: int):
+        config = {"model": {"dtype": "bfloat16", "lora": {"enabled": False}},
+                  "train": {"options": {"ulysses_size": ulysses}, "micro_batch_size": 4},
+                  "run": {"executor": "ray", "placement": "split", "train_workers": 4}}
+        resolved = _resolved(config, beta=0.0, engine="veomni", parallel={"sequence": "ulysses_size", "data": ""})
+        return plan_memory(resolved, None, ModelSizing(**{**MOE, "per_sample_bytes": 2**20}))
+
+    one, two = plan(1), plan(2)
+    assert two.parallel == {"sequence": 2, "data": 4}
+    rows_one, rows_two = one.groups[0].rows, two.groups[0].rows
+    assert rows_two["weights/decoder"] == rows_one["weights/decoder"] == 2 * MOE["trainable"] // 4  # FSDP2
+    assert rows_two["activations (train)"] == rows_one["activations (train)"] // 2

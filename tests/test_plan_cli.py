@@ -22,3 +22,56 @@ def test_omnirl_plan_refuses_the_default_qwen_image_run_on_one_80gb_gpu_and_name
     plan = json.loads(fixed.stdout)
     assert plan["fits"] and plan["dtype"] == "bfloat16"
     assert plan["groups"][0]["total"] <= plan["budget"]
+
+
+# the released Qwen3-Omni thinker (30B-A3B MoE), full fine-tuning, 8 train ranks of 80 GB and a rollout worker
+THINKER_8GPU = ("plan", "--model", "qwen3-omni", "--algo", "gspo", "--device", "cuda", "--device-memory", "80GB",
+                "--executor", "ray", "--set", "run.placement=split", "--set", "run.train_workers=8", "--set",
+                "model.lora.enabled=false", "--set", "rollout.options.max_batch_size=4", "--format", "json")
+
+
+def test_omnirl_plan_names_the_degrees_and_sets_fsdp2_against_megatron_on_the_moe_thinker():
+    fsdp2 = run_cli(*THINKER_8GPU, "--set", "train.engine=fsdp2")
+    assert fsdp2.returncode == 0, fsdp2.stderr[-2000:]
+    sharded = json.loads(fsdp2.stdout)
+    assert sharded["fits"] and sharded["parallel"] == {"data": 8}
+    fsdp2_actor, rollout = (g["rows"] for g in sharded["groups"])
+    whole = rollout["weights/thinker"]
+    assert fsdp2_actor["weights/thinker"] == whole // 8
+
+    megatron = run_cli(*THINKER_8GPU, "--set", "train.engine=megatron", "--set", "train.options.tensor_parallel=4",
+                       "--set", "train.options.expert_parallel=8")
+    assert megatron.returncode == 2, megatron.stderr[-2000:]  # does not fit
+    split = json.loads(megatron.stdout)
+    assert not split["fits"] and split["parallel"] == {"tensor": 4, "expert": 8, "data": 2}
+    actor = split["groups"][0]["rows"]
+    assert actor["weights/thinker"] == whole  # the engine keeps the transformers thinker whole on every rank
+    # experts (most of the decoder) over 8 ranks, attention and embeddings over 4: about fsdp2's eighth
+    assert 0.8 * fsdp2_actor["gradients"] < actor["gradients"] < 1.2 * fsdp2_actor["gradients"]
+    assert "does not fit in 75 GiB per device" in megatron.stderr
+    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 4, expert 8, data 2" in \
+        "\n".join(split["notes"])
+
+
+def test_a_parallel_degree_that_does_not_fit_the_ranks_or_the_model_is_a_usage_error():
+    bad = run_cli(*THINKER_8GPU, "--set", "train.engine=megatron", "--set", "train.options.expert_parallel=3")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "Invalid parallel degrees for train engine 'megatron' over 8 ranks" in bad.stderr
+    # tensor_parallel unset: every rank, 8, more than the thinker's 4 key/value heads
+    assert "train.options.tensor_parallel=8 (tensor parallel) exceeds the model's 4 key/value heads" in bad.stderr
+    assert "train.options.expert_parallel=3 (expert parallel) does not divide the 8 train ranks" in bad.stderr
+    assert "does not divide the model's 128 experts" in bad.stderr
+    dry = run_cli("train", "--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--set",
+                  "train.engine=megatron", "--set", "model.lora.enabled=false", "--set",
+                  "train.options.tensor_parallel=2", "--dry-run")
+    assert dry.returncode == 2
+    assert "train.options.tensor_parallel=2 (tensor parallel) does not divide the 1 train rank" in dry.stderr
+
+
+def test_a_plan_that_does_not_fit_tries_the_engines_other_degrees_and_no_lora_where_it_has_none():
+    proc = run_cli(*THINKER_8GPU[:8], "250GiB", *THINKER_8GPU[9:-2], "--set", "train.engine=megatron", "--set",
+                   "train.options.tensor_parallel=1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    fixes = [line for line in proc.stderr.splitlines() if "fits with" in line]
+    assert fixes and "--set train.options.tensor_parallel=4 --set train.options.expert_parallel=8" in fixes[0]
+    assert "lora" not in proc.stderr  # the megatron engine trains no adapters (EngineSpec.trains_lora)

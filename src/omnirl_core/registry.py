@@ -151,7 +151,17 @@ class EngineSpec(ComponentSpec):
     parallel: dict[str, str] = field(default_factory=dict)
     """A train engine's kinds of parallelism over its ranks (``data``, ``tensor``, ``expert``, ``sequence``, ...),
     each with the engine option that sets its degree (empty: what the other degrees leave of
-    ``run.train_workers``); empty: none declared."""
+    ``run.train_workers``; an option left None: every rank); empty: none declared. ``omnirl plan`` reads the
+    degrees: ``tensor`` splits the trained layers (weights, gradients, optimizer state, most activations),
+    ``expert`` the MoE experts, ``sequence`` the tokens of a sequence."""
+    trains_lora: bool = True
+    """A train engine that trains LoRA adapters (False: full fine-tuning only; ``omnirl plan`` then never suggests
+    ``model.lora.enabled=true``)."""
+    keeps_model: bool = False
+    """A train engine that trains its own copy of the trained network, split by its ``parallel`` degrees (e.g.
+    megatron's GPT blocks), and keeps the model plugin's module whole on every rank besides it (the policy the
+    rollout samples and the weights export to), gathering every rank's shards into it after each optimizer step.
+    ``omnirl plan`` counts the whole module, the rank's shards and that gather."""
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "roles": sorted(self.roles), "devices": sorted(self.devices),

@@ -295,12 +295,13 @@ def meta_cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def transformer_activation_bytes(tokens: int, hidden: int, layers: int, batch: int, dtype_bytes: int,
-                                 checkpointing: bool) -> int:
+                                 checkpointing: bool, tensor: int = 1) -> int:
     """A generic estimate for a model without a probe: a transformer layer with fused attention keeps about
     17 hidden-size vectors per token (34 bytes x hidden in 16-bit; Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models", Sec. 4.1), one per layer with checkpointing (plus one layer
-    recomputed)."""
-    per_layer = 17 * tokens * hidden * batch * dtype_bytes
+    recomputed). ``tensor``: the tensor-parallel degree, without sequence parallelism: 5 + 12 / t vectors
+    (Sec. 4.2.1, sbh(10 + 24/t)): the layer inputs, norms and dropout masks stay whole on every rank."""
+    per_layer = (5 * tensor + 12) * tokens * hidden * batch * dtype_bytes // tensor
     if checkpointing:
         return layers * tokens * hidden * batch * dtype_bytes + per_layer
     return layers * per_layer

@@ -57,6 +57,17 @@ class ModelSizing:
     tokens: int = 0
     per_sample_bytes: int = 0
     """Activation bytes per sample outside the traced or estimated layers (e.g. an LM head's float32 logits)."""
+    experts: int = 0
+    """Parameters of the MoE experts among the trained components' (full fine-tuning's trainable ones): what
+    expert parallelism splits; 0: no MoE."""
+    tensor_split: int = 0
+    """Parameters of the trained components' layers that tensor parallelism splits (column-, row- and vocab-parallel
+    linear and embedding layers, the experts not included); the rest of them (norms, a MoE router) every
+    tensor-parallel rank holds whole."""
+    parallel_units: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """What a parallel degree splits and so must divide, by kind: e.g. ``{"tensor": (4, "key/value heads"),
+    "expert": (128, "experts")}``. A model without a ``tensor`` / ``expert`` entry cannot be planned under that
+    kind of parallelism."""
     notes: list[str] = field(default_factory=list)
     preset: str | None = None
     """The preset whose architecture this describes (``model.preset``, e.g. ``tiny``); None: the released

@@ -9,6 +9,14 @@ blocks; the activations of one training micro-batch (traced on ``meta`` from the
 configured gradient checkpointing and CFG), of one rollout model call (``max_num_seqs`` requests), and of one VAE
 decode. Rollout and training take turns on a shared device, so the larger of their activation peaks counts.
 
+A train engine that declares tensor or expert parallelism (``EngineSpec.parallel``, degrees from its options) splits
+the trained parameters, their gradients and optimizer state as megatron-core lays them out: tensor parallelism the
+linear and embedding layers (``ModelSizing.tensor_split``), expert parallelism the MoE experts
+(``ModelSizing.experts``; without it, tensor parallelism splits them too), the rest (norms, a router) whole on every
+rank; data-parallel ranks hold copies. Tensor parallelism also splits most of a layer's activations (5 + 12/t hidden
+vectors per token instead of 17), sequence parallelism the tokens. An engine that ``keeps_model`` holds the model
+plugin's module whole besides its shards, and gathers every rank's shards after each optimizer step.
+
 Not counted: reward models (their own workers or the CPU), the CUDA context and allocator fragmentation (the
 ``headroom`` fraction of the device stays free for them), host memory (``plan.memory``).
 """
@@ -20,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omnirl_core.errors import ConfigError, PluginError
+from omnirl_core.errors import ConfigError, PluginError, UsageError
 from omnirl_core.planning.model import ModelSizing, model_dtype
 
 if TYPE_CHECKING:
@@ -75,6 +83,8 @@ class MemoryPlan:
     """What the weights and activations are of: ``released`` (the full-size model) or the preset's name."""
     shared: bool = False
     """Every worker group's devices are one memory (the CPU: the host's), which holds them all at once."""
+    parallel: dict[str, int] = field(default_factory=dict)
+    """The train engine's parallel degrees the plan used (``parallel_degrees``); empty: it declares none."""
 
     @property
     def budget(self) -> int | None:
@@ -103,6 +113,7 @@ class MemoryPlan:
             "fixes": [{"set": s, "largest_total": t} for s, t in self.fixes],
             "tried": self.tried,
             "architecture": self.architecture,
+            "parallel": self.parallel,
         }
 
     def table(self) -> str:
@@ -182,9 +193,11 @@ def load_sizing(resolved: ResolvedRun) -> ModelSizing:
     return load_object(ref)(resolved.config, resolved.options.get("model.options"))
 
 
-def _activation_bytes(sizing: ModelSizing, config: RunConfig, dtype_bytes: int, checkpointing: bool
-                      ) -> tuple[int, int]:
-    """(training micro-batch peak, rollout call peak) of the trained network."""
+def _activation_bytes(sizing: ModelSizing, config: RunConfig, dtype_bytes: int, checkpointing: bool,
+                      tensor: int = 1, sequence: int = 1) -> tuple[int, int]:
+    """(training micro-batch peak, rollout call peak) of the trained network; ``tensor`` / ``sequence``: the train
+    engine's degrees (tensor parallelism splits most of a layer's activations, sequence parallelism the tokens;
+    the float32 logits are gathered whole)."""
     from omnirl_core.planning.activations import no_grad_peak, trace_activations, transformer_activation_bytes
 
     micro = train_micro_batch(config)
@@ -196,9 +209,12 @@ def _activation_bytes(sizing: ModelSizing, config: RunConfig, dtype_bytes: int, 
     if sizing.probe is not None:
         acts = trace_activations(sizing.probe, 2 * micro if both else micro, lora_rank, checkpointing)
         train = acts.with_cfg() if cfg and not both else acts.peak
-        return train + extra_train, no_grad_peak(sizing.probe, rollout_batch) + extra_rollout
+        # a traced network under tensor parallelism: the generic estimate's share (Korthikanti et al. 2022)
+        train = train * (5 * tensor + 12) // (17 * tensor) // sequence
+        return train + extra_train // sequence, no_grad_peak(sizing.probe, rollout_batch) + extra_rollout
     train = transformer_activation_bytes(sizing.tokens, sizing.hidden, sizing.layers, 2 * micro if both else micro,
-                                         dtype_bytes, checkpointing)
+                                         dtype_bytes, checkpointing, tensor) // sequence
+    extra_train //= sequence
     rollout = transformer_activation_bytes(sizing.tokens, sizing.hidden, 1, rollout_batch, dtype_bytes, False)
     return train + extra_train, rollout + extra_rollout
 
@@ -240,6 +256,69 @@ def rollout_state_bytes(cfg: RunConfig) -> dict[str, int]:
     return {"samples": samples, "outputs": outputs, "trajectories": latents, "total": outputs + latents}
 
 
+PARALLEL_SPLITS = ("tensor", "expert")
+"""The kinds of parallelism that split the trained parameters themselves (not data-parallel copies)."""
+
+
+def parallel_degrees(resolved: ResolvedRun, sizing: ModelSizing, ranks: int) -> dict[str, int]:
+    """The train engine's degrees over its ``ranks``: each kind it declares (``EngineSpec.parallel``) from its
+    option in ``train.options`` (None: every rank), ``data`` what tensor parallelism leaves (expert and sequence
+    parallelism reuse the data-parallel ranks, as megatron-core and VeOmni arrange them). A degree that does not
+    divide the ranks, or what it splits (``ModelSizing.parallel_units``), is a usage error (exit 2) naming each."""
+    declared = dict(resolved.train_engine.parallel)
+    if not declared:
+        return {}
+    options = resolved.dump()["train"]["options"] or {}
+    degrees: dict[str, int] = {}
+    problems: list[str] = []
+    for kind, option in declared.items():
+        if not option:
+            continue
+        value = options.get(option)
+        degree = ranks if value is None else int(value)
+        degrees[kind] = degree
+        where = f"train.options.{option}={degree} ({kind} parallel)"
+        if degree < 1 or ranks % degree:
+            problems.append(f"{where} does not divide the {ranks} train rank{'s' * (ranks != 1)}"
+                            + (" (run.train_workers with run.placement split)" if ranks > 1 else
+                               " (one worker trains unless run.executor is ray, run.placement split and "
+                               "run.train_workers > 1)"))
+        units = sizing.parallel_units.get(kind)
+        if units is not None and degree > 1 and units[0] % degree:
+            verb = "exceeds" if degree > units[0] else "does not divide"
+            problems.append(f"{where} {verb} the model's {units[0]} {units[1]}")
+        elif units is None and degree > 1 and kind in PARALLEL_SPLITS:
+            raise PluginError(
+                f"Model '{resolved.model.name}' does not tell the planner what {kind} parallelism splits "
+                f"(ModelSizing.parallel_units has no '{kind}'): omnirl cannot plan train engine "
+                f"'{resolved.train_engine.name}' with {where}.",
+                hint="Plan with that degree at 1, or ask the model plugin's authors to describe it (see CONTRIBUTING, "
+                "'Memory plans').")
+    if problems:
+        raise UsageError(f"Invalid parallel degrees for train engine '{resolved.train_engine.name}' over {ranks} "
+                         f"rank{'s' * (ranks != 1)}.", details=[f"  {p}" for p in problems],
+                         hint="Set each degree to a divisor of run.train_workers and of what it splits.")
+    if "data" in declared:
+        degrees["data"] = max(1, ranks // degrees.get("tensor", 1))
+    return degrees
+
+
+def trained_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
+    """Trainable parameters one rank holds under tensor / expert parallelism, laid out as megatron-core does: the
+    experts over the expert-parallel ranks (over the tensor-parallel ones when there is no expert parallelism),
+    the linear and embedding layers over the tensor-parallel ranks, the rest whole. LoRA adapters: whole (no model
+    describes how they would split)."""
+    if sizing.lora:
+        return sizing.trainable
+    tp, ep = degrees.get("tensor", 1), degrees.get("expert", 1)
+    whole = sizing.trainable - sizing.experts - sizing.tensor_split
+    return whole + sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
+
+
+def degrees_text(degrees: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {degree}" for kind, degree in degrees.items())
+
+
 def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing: ModelSizing | None = None,
                 suggest: bool = True, device_type: str | None = None, memory_source: str = "") -> MemoryPlan:
     """The plan of ``resolved`` (a ``ResolvedRun``); ``device_memory``: bytes per device (None: no verdict).
@@ -255,7 +334,10 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
 
     split = run.executor == "ray" and run.placement == "split"
     ranks = run.train_workers if split else 1
-    sharded = resolved.train_engine.shards and ranks > 1
+    engine = resolved.train_engine
+    degrees = parallel_degrees(resolved, sizing, ranks)
+    model_parallel = any(kind in degrees for kind in PARALLEL_SPLITS)
+    sharded = engine.shards and ranks > 1 and not model_parallel
     shard = ranks if sharded else 1
     offload = cfg.model.offload == "cpu"
 
@@ -276,7 +358,8 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
             else:
                 rows[f"weights/{name}"] = numel * wb
 
-    train_act, rollout_act = _activation_bytes(sizing, cfg, wb, checkpointing)
+    train_act, rollout_act = _activation_bytes(sizing, cfg, wb, checkpointing, degrees.get("tensor", 1),
+                                               degrees.get("sequence", 1))
     decode = _decode_bytes(sizing, cfg)
     seqs = rollout_batch_size(cfg)
     phases = (f"activations by phase (they take turns): train micro-batch of {train_micro_batch(cfg)} "
@@ -285,36 +368,64 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
               f"VAE decode of {seqs} {decode / GIB:.2f} GiB")
 
     actor: dict[str, int] = {}
-    weights(actor, shard)
-    if sizing.lora:
-        actor["adapters (fp32 master)"] = trainable * tb // shard
-    actor["gradients"] = trainable * tb // shard
-    actor["optimizer (AdamW)"] = 2 * trainable * tb // shard
+    export = 0
+    if model_parallel:
+        per_rank = trained_per_rank(sizing, degrees)
+        if engine.keeps_model:
+            weights(actor, 1)  # the model's module, whole, besides the engine's own shards
+            actor[f"weights ({engine.name} shards)"] = per_rank * tb
+            # after each optimizer step: every rank's shards gathered, and the whole weights rebuilt from them
+            export = ((ranks + 1) * per_rank + trainable) * tb
+        else:
+            weights(actor, 1)
+            for name in sizing.trained:  # the trained components' trainable part, this rank's share of it
+                numel = sizing.components[name]
+                actor[f"weights/{name}"] = numel * (trained_numel - trainable + per_rank) // trained_numel * wb
+        if sizing.lora:
+            actor["adapters (fp32 master)"] = trainable * tb
+        actor["gradients"] = per_rank * tb
+        actor["optimizer (AdamW)"] = 2 * per_rank * tb
+    else:
+        weights(actor, shard)
+        if sizing.lora:
+            actor["adapters (fp32 master)"] = trainable * tb // shard
+        actor["gradients"] = trainable * tb // shard
+        actor["optimizer (AdamW)"] = 2 * trainable * tb // shard
     if uses_reference and not sizing.lora and run.reference == "actor":
         actor["reference copy"] = trained_numel * wb
     if ema:
-        actor["EMA copy"] = trainable * tb // shard
+        actor["EMA copy"] = trainable * tb // (1 if model_parallel else shard)
     if sharded and sizing.largest_block:
         actor["fsdp2 gathered blocks"] = 2 * sizing.largest_block * wb
     groups = []
     notes = list(sizing.notes)
+    if degrees:
+        notes.append(f"parallel degrees of train engine '{engine.name}' over {ranks} rank{'s' * (ranks != 1)}: "
+                     f"{degrees_text(degrees)}")
+    if export:
+        notes.append(f"{engine.name} keeps the model's module whole on every rank and gathers every rank's shards "
+                     f"after each optimizer step: weight export {export / GIB:.2f} GiB (after the backward, so it "
+                     f"takes turns with the training activations {train_act / GIB:.2f} GiB)")
     if split:
         rollout: dict[str, int] = {}
         weights(rollout, 1)
         if sizing.lora:
             rollout["adapters (fp32 master)"] = trainable * tb
-        actor["activations (train)"] = train_act
+        if export:
+            actor["activations (train) or weight export"] = max(train_act, export)
+        else:
+            actor["activations (train)"] = train_act
         rollout["activations (largest phase)"] = max(rollout_act, decode)
         groups += [GroupPlan("actor", ranks, actor), GroupPlan("rollout", 1, rollout, [phases])]
     else:
         # one worker rolls out and trains in turn: the larger activation peak counts
-        actor["activations (largest phase)"] = max(train_act, rollout_act, decode)
+        actor["activations (largest phase)"] = max(train_act, rollout_act, decode, export)
         groups.append(GroupPlan("actor+rollout", 1, actor, [phases]))
     if uses_reference and run.reference == "separate":
         reference = {f"weights/{c}": sizing.components[c] * wb for c in sizing.trained}
         reference["activations/reference"] = rollout_act
         groups.append(GroupPlan("reference", 1, reference))
-    if split and not sharded and ranks > 1:
+    if split and not sharded and not model_parallel and ranks > 1:
         notes.append(f"train engine '{resolved.train_engine.name}' does not shard: every one of the {ranks} "
                      "ranks holds everything")
     if device_type == "cpu":
@@ -327,7 +438,7 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
     elif preset is not None:
         notes.insert(0, f"architecture: the preset '{preset}' this run loads (not the released model)")
     plan = MemoryPlan(groups, device_memory, dtype, notes, memory_source=memory_source,
-                      architecture=sizing.preset or "released", shared=device_type == "cpu")
+                      architecture=sizing.preset or "released", shared=device_type == "cpu", parallel=degrees)
     if suggest and device_memory is not None and not plan.fits:
         plan.fixes, plan.tried = _fixes(resolved, sizing, device_memory, device_type)
     return plan
@@ -356,7 +467,8 @@ def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | N
     while key and seqs > 1:
         seqs = max(1, seqs // 4)
         out.append((f"rollout.options.{key}={seqs}", {"rollout": {"options": {key: seqs}}}))
-    if not sizing.lora:
+    out += _degree_candidates(resolved, sizing)
+    if not sizing.lora and resolved.train_engine.trains_lora:
         out.append(("model.lora.enabled=true", {"model": {"lora": {"enabled": True}}}))
     group = cfg.rollout.group_size
     while group // 2 >= max(2, resolved.algorithm.min_group_size):
@@ -366,6 +478,24 @@ def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | N
     while prompts > 1:
         prompts //= 2
         out.append((f"rollout.prompts_per_step={prompts}", {"rollout": {"prompts_per_step": prompts}}))
+    return out
+
+
+def _degree_candidates(resolved: ResolvedRun, sizing: ModelSizing) -> list[tuple[str, dict[str, Any]]]:
+    """Other tensor / expert parallel degrees of the train engine: each one that divides the ranks and what it
+    splits, other than the configured one."""
+    run = resolved.config.run
+    ranks = run.train_workers if run.executor == "ray" and run.placement == "split" else 1
+    options = resolved.dump()["train"]["options"] or {}
+    out: list[tuple[str, dict[str, Any]]] = []
+    for kind, option in resolved.train_engine.parallel.items():
+        units = sizing.parallel_units.get(kind)
+        if kind not in PARALLEL_SPLITS or not option or units is None:
+            continue
+        current = options.get(option) or ranks
+        for degree in range(1, ranks + 1):
+            if degree != current and ranks % degree == 0 and units[0] % degree == 0:
+                out.append((f"train.options.{option}={degree}", {"train": {"options": {option: degree}}}))
     return out
 
 
@@ -386,6 +516,9 @@ def _fixes(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int, devic
             model_options = resolved.options.get("model.options")
             if model_options is not None and "options" in patch.get("model", {}):
                 changed.options["model.options"] = model_options.model_copy(update=patch["model"]["options"])
+            train_options = resolved.options.get("train.options")
+            if train_options is not None and "options" in patch.get("train", {}):
+                changed.options["train.options"] = train_options.model_copy(update=patch["train"]["options"])
             resized = sizing
             if {"lora", "dtype"} & set(patch.get("model", {})) and resolved.model.sizing:
                 resized = load_sizing(changed)  # another trainable set or dtype: the model describes it anew

@@ -64,6 +64,13 @@ def main() -> None:
     worker = Worker(resolved, {"actor", "rollout"},
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     worker.setup()
+    if args.engine == "megatron":  # what this rank holds, in bytes, for the memory plan's test
+        engine = worker.trainer
+        module = {id(t): t for t in engine.model.module.state_dict(keep_vars=True).values()}
+        held = {"megatron_params": sum(p.numel() * p.element_size() for p in engine.gpt.parameters()),
+                "module": sum(t.numel() * t.element_size() for t in module.values()),
+                "layout": engine.layout.to_json()}
+        (out / f"held-{worker.rank}.json").write_text(json.dumps(held))
     first = 1
     state = worker.trained_state()
     if worker.rank == 0:

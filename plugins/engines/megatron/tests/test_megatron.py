@@ -124,6 +124,56 @@ def test_weights_shard_and_gather_back_exactly(tp: int, ep: int):
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def _plan(options: dict, ranks: int = 2):
+    """``omnirl plan``'s numbers for rank_job.py's megatron runs: the tiny thinker, full fine-tuning, ``ranks`` train ranks."""
+    from omnirl_core.planning.planner import plan_memory
+    from omnirl_core.plugins import PluginManager
+    from omnirl_core.resolve import resolve_run
+
+    manager = PluginManager()
+    manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo",
+                          "omnirl_plugin_transformers", "omnirl_plugin_megatron", "omnirl_plugin_answer_match"])
+    layer = {"model": {"name": "qwen3-omni", "preset": "tiny", "lora": {"enabled": False}},
+             "algorithm": {"name": "gspo"}, "train": {"engine": "megatron", "options": options},
+             "run": {"device": "cpu", "executor": "ray", "placement": "split", "train_workers": ranks}}
+    return plan_memory(resolve_run(manager, [layer], probe_device=False), None)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_memory_plan_holds_what_each_rank_of_the_engine_holds(runs: dict[str, Path], layout: str):
+    """The plan's per-device weights under tensor / expert parallelism are the bytes each of 2 ranks holds (written
+    by rank_job.py once the engine is set up): the megatron shards' parameters (gradients and AdamW's moments are
+    the same shapes) and the transformers thinker, whole (the rollout's policy and the export target)."""
+    held = [json.loads((runs[layout] / f"held-{r}.json").read_text()) for r in range(2)]
+    plan = _plan(LAYOUTS[layout])
+    tp, ep = LAYOUTS[layout].get("tensor_parallel", 2), LAYOUTS[layout].get("expert_parallel", 1)
+    assert plan.architecture == "tiny" and plan.parallel == {"tensor": tp, "expert": ep, "data": 2 // tp}
+    assert [(h["layout"]["tp"], h["layout"]["ep"]) for h in held] == [(tp, ep)] * 2
+    actor = next(g for g in plan.groups if g.name == "actor")
+    print(f"{layout}: planned shards {actor.rows['weights (megatron shards)']} B, thinker "
+          f"{actor.rows['weights/thinker']} B; held {[(h['megatron_params'], h['module']) for h in held]}")
+    for rank in held:
+        assert actor.rows["weights (megatron shards)"] == rank["megatron_params"]
+        assert actor.rows["gradients"] == rank["megatron_params"]
+        assert actor.rows["optimizer (AdamW)"] == 2 * rank["megatron_params"]
+        assert actor.rows["weights/thinker"] == rank["module"]
+    whole = _plan({"tensor_parallel": 1})  # data parallel: every rank holds every trained weight
+    assert actor.rows["weights (megatron shards)"] < whole.groups[0].rows["weights (megatron shards)"]
+
+
+def test_the_memory_plan_refuses_a_degree_the_ranks_or_the_model_cannot_take():
+    from omnirl_core.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        _plan({"tensor_parallel": 4, "expert_parallel": 3})
+    text = info.value.render()
+    assert info.value.exit_code == 2
+    assert "train.options.tensor_parallel=4 (tensor parallel) does not divide the 2 train ranks" in text
+    assert "tensor_parallel=4 (tensor parallel) exceeds the model's 2 key/value heads" in text
+    assert "train.options.expert_parallel=3 (expert parallel) does not divide the 2 train ranks" in text
+    assert "expert_parallel=3 (expert parallel) does not divide the model's 8 experts" in text
+
+
 def test_train_engine_contract_on_one_rank(tmp_path: Path):
     (stdout,) = _launch("contract_job.py", [str(tmp_path)], 1)
     assert "loss " in stdout

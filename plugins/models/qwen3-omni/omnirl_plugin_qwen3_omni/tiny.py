@@ -35,26 +35,23 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
 
 
-def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
-    """(thinker, tokenizer, image processor, feature extractor): text decoder hidden 32, 2 layers, 8 experts
-    top-2; vision encoder depth 2, patch 16; audio encoder 2 layers, 20 mel bins."""
-    from transformers import (
-        Qwen2VLImageProcessorPil,
-        Qwen3OmniMoeThinkerConfig,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-        WhisperFeatureExtractor,
-    )
+def tiny_config(ids: dict[str, int] | None = None, head_dim: int = 8) -> Any:
+    """The preset's ``Qwen3OmniMoeThinkerConfig``; ``ids``: the tokenizer's special token ids by role (None: the
+    config's defaults, for a build that only counts parameters, as the memory planner's on ``meta``)."""
+    from transformers import Qwen3OmniMoeThinkerConfig
 
-    tok = tiny_tokenizer()
-    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end"],
-                   tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
-                                              "<|vision_start|>", "<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"])))
-    config = Qwen3OmniMoeThinkerConfig(
+    text_ids, media_ids = {}, {}
+    if ids is not None:
+        text_ids = {"pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "bos_token_id": ids["pad"]}
+        media_ids = {"audio_token_id": ids["audio"], "audio_start_token_id": ids["audio_start"],
+                     "audio_end_token_id": ids["audio_end"], "image_token_id": ids["image"],
+                     "video_token_id": ids["video"], "vision_start_token_id": ids["vision_start"]}
+    return Qwen3OmniMoeThinkerConfig(
         text_config={
             "vocab_size": VOCAB_SIZE, "tie_word_embeddings": False, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "moe_intermediate_size": 32,
             "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
-            "pad_token_id": ids["pad"], "eos_token_id": ids["eos"], "bos_token_id": ids["pad"],
+            **text_ids,
             "rope_parameters": {"rope_type": "default", "mrope_section": _mrope_section(head_dim), "interleaved": True,
                                 "rope_theta": 1_000_000.0},
         },
@@ -67,9 +64,24 @@ def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
         audio_config={"num_mel_bins": 20, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
                       "d_model": 32, "output_dim": 32, "n_window": 50, "n_window_infer": 100, "conv_chunksize": 500,
                       "downsample_hidden_size": 16, "max_source_positions": 1500},
-        audio_token_id=ids["audio"], audio_start_token_id=ids["audio_start"], audio_end_token_id=ids["audio_end"], image_token_id=ids["image"],
-        video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
+        **media_ids,
     )
+
+
+def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
+    """(thinker, tokenizer, image processor, feature extractor): text decoder hidden 32, 2 layers, 8 experts
+    top-2; vision encoder depth 2, patch 16; audio encoder 2 layers, 20 mel bins."""
+    from transformers import (
+        Qwen2VLImageProcessorPil,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    tok = tiny_tokenizer()
+    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end"],
+                   tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
+                                              "<|vision_start|>", "<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"])))
+    config = tiny_config(ids, head_dim)
     torch.manual_seed(seed)
     thinker = Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
     _widen_output_head(thinker)

@@ -69,3 +69,41 @@ def test_memory_estimate(built):
     trained = 30_532_646_912  # the decoder and LM head; the vision and audio encoders stay frozen
     assert full["gradients"] == 2 * trained and full["optimizer"] == 4 * trained and full["reference"] == 2 * total
     assert full["total"] == 2 * total + 6 * trained + 2 * total  # 310 GB in bf16
+
+
+def test_what_tensor_and_expert_parallelism_split_is_read_off_the_architecture(built):
+    """The planner's split of the full fine-tuning set: the experts (48 layers x 128 experts x [gate; up; down] of
+    2048 x 768), the linear and embedding layers (embeddings, LM head, q/k/v/o of 32 query and 4 key/value heads of
+    128), and the rest (RMSNorms, the routers), which every tensor-parallel rank holds whole."""
+    from types import SimpleNamespace
+
+    from omnirl_plugin_qwen3_omni.sizing import parallel_counts, sizing
+
+    from omnirl_core.config import RunConfig
+
+    experts, split = parallel_counts(built[0]["thinker"])
+    assert experts == 48 * 128 * 3 * 2048 * 768
+    assert split == 2 * 152064 * 2048 + 48 * (2 * 4096 * 2048 + 2 * 512 * 2048)
+    config = RunConfig.model_validate({"model": {"name": "qwen3-omni", "lora": {"enabled": False}}})
+    plan = sizing(config, SimpleNamespace(tiny_head_dim=8))
+    rest = plan.trainable - plan.experts - plan.tensor_split
+    assert (plan.experts, plan.tensor_split) == (experts, split)
+    assert rest == 48 * (128 * 2048 + 2 * 128 + 2 * 2048) + 2048  # routers, q/k norms, layer norms, final norm
+    assert plan.parallel_units == {"tensor": (4, "key/value heads"), "expert": (128, "experts")}
+    assert plan.preset is None
+
+
+def test_the_tiny_preset_is_planned_from_its_own_architecture():
+    from types import SimpleNamespace
+
+    from omnirl_plugin_qwen3_omni.sizing import sizing
+    from omnirl_plugin_qwen3_omni.tiny import build_tiny
+
+    from omnirl_core.config import RunConfig
+    from omnirl_core.planning.sizing import checkpoint_numel
+
+    config = RunConfig.model_validate({"model": {"name": "qwen3-omni", "preset": "tiny"}})
+    plan = sizing(config, SimpleNamespace(tiny_head_dim=8))
+    thinker = build_tiny()[0]
+    assert plan.preset == "tiny" and plan.components == {"thinker": checkpoint_numel(thinker)}
+    assert plan.parallel_units == {"tensor": (2, "key/value heads"), "expert": (8, "experts")}

@@ -56,6 +56,10 @@ def _sample(prompt: str, output: str, inputs: dict):
 
 
 def test_the_core_passes_each_prompts_record_from_a_jsonl_file(tmp_path: Path):
+    from PIL import Image
+
+    (tmp_path / "pics").mkdir()
+    Image.new("RGB", (16, 16)).save(tmp_path / "pics" / "1.png")  # the data layer checks that an image reads
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "one?", "answer": "A", "image": "pics/1.png"},
                                                       {"prompt": "two?", "answer": "B"}]))
