@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -28,6 +29,10 @@ def _child_env(path: Path) -> Path:
                                 capture_output=True, text=True, check=True).stdout.strip()
     parent_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     (Path(child_site) / "_omnirl_parent.pth").write_text(f"import site; site.addsitedir({parent_site!r})\n")
+    # the plugins build with the parent's setuptools (pip --no-build-isolation: no build environment to install per
+    # plugin), not the older copy ensurepip bundles
+    for old in Path(child_site).glob("setuptools*"):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     script = path / "bin" / "omnirl"  # what installing omnirl into the venv would write
     script.write_text(f"#!{python}\nimport sys\nfrom omnirl_cli.main import run\nsys.exit(run())\n")
     script.chmod(0o755)
@@ -45,7 +50,7 @@ def test_new_plugins_of_every_kind_install_list_and_pass_their_tests(tmp_path: P
     names = {kind: f"my-{kind}" for kind in KINDS}
     dirs = [new_plugin(kind, name, tmp_path) for kind, name in names.items()]
     python = _child_env(tmp_path / "venv")
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                               *[arg for d in dirs for arg in ("-e", str(d))]], capture_output=True, text=True,
                              check=False)
     assert install.returncode == 0, install.stderr[-2000:]
