@@ -319,7 +319,8 @@ def test_the_default_run_rejudges_its_pool_once_per_step_and_reports_it(tmp_path
     consulted once per step, before the rollout, and the update runs on the pool the rollout ran on (the
     trainer re-evaluates the rollout's log-probs with the same arithmetic); every step's row carries that pool
     and the wait share that set it, and runtime.json says the policy is adaptive. The governor's clock is
-    scripted to report a loaded machine, so the pool really moves."""
+    scripted to report a loaded machine, and its probe to see another process, so the pool really moves whatever
+    else runs on the machine."""
     import json
 
     import torch
@@ -332,6 +333,9 @@ def test_the_default_run_rejudges_its_pool_once_per_step_and_reports_it(tmp_path
         assert gov is not None and gov.ceiling == threads.available_cpus()
         clock = _Clock()
         gov.sample, gov._last = clock, clock()
+        # the machine as the governor probes it, scripted too: another process runnable, no core left free and
+        # none filled (the real probe would see an idle machine at times and take the thread back at once)
+        gov.probe = lambda: 1
         observed, update_pools = [], []
         observe = gov.observe
 
