@@ -43,13 +43,37 @@ def mean(records: list[dict[str, Any]], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def machine() -> dict[str, Any]:
+    """The CPU a figure was measured on: model name and the vector / matrix extensions that change kernel
+    speed (a ratio measured with AVX-512 or AMX did not hold on an AVX2-only machine)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:  # not Linux: the model from platform, no flags
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+    return {"cpu_model": model, "cpu_flags": [f for f in wanted if f in flags]}
+
+
+def describe(env: dict[str, Any]) -> str:
+    """One line naming the machine and its load, for a benchmark's printed summary."""
+    flags = ", ".join(env.get("cpu_flags") or ["no AVX2"])
+    return f"{env['cpu_model']} ({env['cpus']} CPUs; {flags}); load average {env['load_avg_1m']:.2f}"
+
+
 def environment() -> dict[str, Any]:
     import os
 
     import torch
 
     return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "load_avg_1m": os.getloadavg()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            **machine(), "load_avg_1m": os.getloadavg()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def write(name: str, result: dict[str, Any]) -> Path:

@@ -2,12 +2,16 @@
 
     python benchmarks/reference_trainer.py --flow-grpo ~/src/flow_grpo --python ~/venvs/flow-grpo/bin/python
     python benchmarks/reference_trainer.py ... --pairs 3 --steps 17 --threads 2
+    python benchmarks/reference_trainer.py ... --prompts pickscore        # flow_grpo's own pickscore prompts
 
 flow_grpo (github.com/yifan123/flow_grpo) is not part of omnirl: bring a checkout and a Python environment that
 runs it (torch, diffusers, transformers, peft, accelerate, ml_collections, absl-py, wandb). Its
 ``scripts/train_sd3.py`` runs unchanged; a small driver started with that Python:
-- times each epoch through the per-epoch ``wandb.log`` call (``{"epoch": ...}``, made once the epoch's samples
-  are scored), with wandb disabled, and ends the run after ``--steps`` epochs (the script loops forever);
+- times each epoch through its ``wandb.log`` calls, with wandb disabled: ``{"epoch": ...}`` once the epoch's
+  samples are scored, ``{"actual_batch_size": ...}`` as its training begins, and one with ``inner_epoch`` after
+  each optimizer step; the step splits into sampling (end of the previous update to samples scored) and update
+  (training begins to the last optimizer step), as omnirl's metrics split it. It ends the run after ``--steps``
+  epochs (the script loops forever);
 - sets torch's threads to ``--threads``;
 - gives peft's model a ``.module`` that is the model itself: train_sd3.py reaches the LoRA model as
   ``transformer.module`` (the DDP wrapper of its multi-GPU launch), which one process does not have.
@@ -17,19 +21,26 @@ The work, the same on both sides (written here as flow_grpo's config file and as
   through ``StableDiffusion3Pipeline.from_pretrained``;
 - 64x64, 10 SDE steps (noise level 0.7), CFG 4.5 with the empty negative prompt, T5 prompts of 128 tokens;
 - 16 images per step: 4 prompts x 4 (flow_grpo: 4 batches of 1 prompt x 4 images);
-- 9 of the 10 steps trained, micro-batch 4, 2 optimizer steps per step (flow_grpo: gradient accumulation 2);
-  the training forward runs both CFG branches with grad in one batch of 8 (omnirl: ``train.cfg_grad: both``;
-  ``--cfg-grad cond`` gives omnirl's default, the unconditional branch detached, which is less work);
+- 9 of the 10 steps trained, 2 optimizer steps per step (flow_grpo: gradient accumulation 2); the training
+  forward runs both CFG branches in one batch and detaches the unconditional one: flow_grpo's ``train_sd3.py``
+  (``noise_pred_uncond.detach()``) and omnirl's default ``train.cfg_grad: cond`` take the same gradient
+  (``--cfg-grad both`` differentiates both branches, more work than flow_grpo does);
+- the micro-batch is a memory setting, not part of the math (the gradient is the same sum over a minibatch's
+  rows): flow_grpo trains 4 samples x 1 timestep per call, omnirl ``train.micro_batch_size: auto`` (every row of
+  a minibatch in one call when the memory plan allows; ``--omnirl-micro N`` fixes it);
 - LoRA r 32, alpha 64, gaussian init, on attn.to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out;
 - KL beta 0.04 in flow_grpo's convention, PPO clip 1e-4, advantages over the batch std clipped at 5;
 - AdamW lr 3e-4, betas (0.9, 0.999), weight decay 1e-4, grad-norm clip 1.0; fp32 (mixed_precision "no");
-- JPEG compressibility (-size in kB / 500, quality 95); 8 prompts; no evaluation, no checkpoints within the
-  timed steps (flow_grpo evaluates at epoch 0, before its first timed epoch).
+- JPEG compressibility (-size in kB / 500, quality 95); 8 short prompts (``--prompts short``) or flow_grpo's
+  own pickscore prompt files (``--prompts pickscore``, from the checkout); no evaluation, no checkpoints within
+  the timed steps (flow_grpo evaluates at epoch 0, before its first timed epoch).
 
 Each run's steps from ``--skip`` + 1 to ``--steps`` are timed (default 3-17 of 17): omnirl's ``time/step_s`` from
 its metrics, flow_grpo's time between consecutive epoch stamps (training of one epoch and sampling of the
-next). The pairs alternate which trainer starts. Writes ``benchmarks/results/reference_trainer.json``: per run
-the step times, images/s and the load average at its start; per pair the speed ratio; the median.
+next), and both split into sampling and update. The pairs alternate which trainer starts. The machine (CPU model,
+AVX-512 / AMX flags) is printed and recorded with the figures. Writes ``benchmarks/results/reference_trainer.json``:
+per run the step times, the phases, images/s and the load average at its start; per pair the speed ratio and the
+update-time ratio; the medians.
 """
 
 from __future__ import annotations
@@ -106,14 +117,19 @@ import peft
 import wandb
 
 peft.PeftModel.module = property(lambda self: self)  # train_sd3.py's transformer.module (DDP) in one process
-stamps = []
+stamps, marks = [], []
 
 
 def log(data, step=None, **kwargs):
-    if "epoch" in data and "inner_epoch" not in data:  # once per epoch, after its samples are scored
-        stamps.append({"epoch": int(data["epoch"]), "t": time.perf_counter()})
+    now = time.perf_counter()
+    if "inner_epoch" in data:  # after each optimizer step
+        marks.append({"kind": "optimizer_step", "epoch": int(data["epoch"]), "t": now})
+    elif "actual_batch_size" in data:  # the epoch's training begins
+        marks.append({"kind": "train_start", "t": now})
+    elif "epoch" in data:  # once per epoch, after its samples are scored
+        stamps.append({"epoch": int(data["epoch"]), "t": now})
         with open(out, "w") as f:
-            json.dump({"threads": torch.get_num_threads(), "stamps": stamps}, f)
+            json.dump({"threads": torch.get_num_threads(), "stamps": stamps, "marks": marks}, f)
         if len(stamps) > epochs:
             os._exit(0)
 
@@ -135,7 +151,8 @@ runpy.run_path(os.path.join(checkout, "scripts", "train_sd3.py"), run_name="__ma
 '''
 
 
-def omnirl_recipe(model: Path, prompts: Path, steps: int, threads: int | str, cfg_grad: str) -> dict:
+def omnirl_recipe(model: Path, prompts: Path, steps: int, threads: int | str, cfg_grad: str,
+                  micro: int | str = "auto") -> dict:
     return {
         "model": {"name": "sd3.5", "path": str(model), "dtype": "float32",
                   "lora": {"enabled": True, "rank": 32, "alpha": 64, "init": "gaussian",
@@ -147,7 +164,7 @@ def omnirl_recipe(model: Path, prompts: Path, steps: int, threads: int | str, cf
         "rollout": {"prompts_per_step": 4, "group_size": 4, "num_steps": 10, "height": 64, "width": 64,
                     "guidance_scale": 4.5, "negative_prompt": ""},
         "train": {"lr": 3.0e-4, "weight_decay": 1.0e-4, "betas": [0.9, 0.999], "max_grad_norm": 1.0,
-                  "micro_batch_size": 4, "minibatches": 2, "old_logprob": "bypass", "rs_band": None,
+                  "micro_batch_size": micro, "minibatches": 2, "old_logprob": "bypass", "rs_band": None,
                   "cfg_grad": cfg_grad},
         "rewards": [{"name": "jpeg", "options": {"scale": 0.002, "quality": 95}}],
         "data": {"prompts": str(prompts / "train.txt")},
@@ -176,7 +193,7 @@ def run_omnirl(work: Path, index: int, args) -> dict:
 def run_flow_grpo(work: Path, index: int, args) -> dict:
     out = work / f"flow_grpo-{index}.json"
     env = {**os.environ, "FLOW_GRPO": str(args.flow_grpo), "FG_MODEL": str(work / "sd35-tiny"),
-           "FG_PROMPTS": str(work / "prompts"), "FG_LOGDIR": str(work / f"flow_grpo-logs-{index}"),
+           "FG_PROMPTS": str(prompt_dir(work, args)), "FG_LOGDIR": str(work / f"flow_grpo-logs-{index}"),
            "PYTHONPATH": ""}
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -190,7 +207,29 @@ def run_flow_grpo(work: Path, index: int, args) -> dict:
     # stamp k: epoch k's samples scored; the step between stamps k-1 and k trains epoch k-1 and samples epoch k
     steps = [b - a for a, b in itertools.pairwise(t)][args.skip - 1:args.steps - 1]
     return {"trainer": "flow_grpo", "load_avg_1m_at_start": load, "wall_s": time.perf_counter() - t0,
-            "step_s": steps, "threads": data["threads"]}
+            "step_s": steps, "phases_s": flow_grpo_phases(data, args.skip), "threads": data["threads"]}
+
+
+def flow_grpo_phases(data: dict, skip: int) -> dict:
+    """flow_grpo's sampling and update times from the driver's marks, averaged over the timed epochs: an epoch's
+    update runs from its ``train_start`` to its last optimizer step; its sampling from the previous epoch's last
+    optimizer step to its samples being scored (the rewards included, as flow_grpo scores while it samples)."""
+    scored = {s["epoch"]: s["t"] for s in data["stamps"]}
+    starts = [m["t"] for m in data["marks"] if m["kind"] == "train_start"]
+    last_step: dict[int, float] = {}
+    for m in data["marks"]:
+        if m["kind"] == "optimizer_step":
+            last_step[m["epoch"]] = m["t"]
+    update = [last_step[e] - starts[e] for e in sorted(last_step) if e < len(starts) and e >= skip - 1]
+    sampling = [scored[e] - last_step[e - 1] for e in sorted(scored) if e - 1 in last_step and e >= skip]
+    return {"time/rollout_s": statistics.fmean(sampling) if sampling else float("nan"),
+            "time/train_s": statistics.fmean(update) if update else float("nan")}
+
+
+def prompt_dir(work: Path, args) -> Path:
+    """The folder of ``train.txt`` / ``test.txt`` both trainers read: the 8 short prompts, or flow_grpo's own
+    pickscore files from the checkout."""
+    return args.flow_grpo / "dataset" / "pickscore" if args.prompts == "pickscore" else work / "prompts"
 
 
 def alternate(work: Path, args, result: dict) -> None:
@@ -204,11 +243,15 @@ def alternate(work: Path, args, result: dict) -> None:
             record["images_per_s"] = IMAGES_PER_STEP / record["mean_step_s"]
             result["runs"].append(record)
             pair[record["trainer"]] = record
+            phases = record["phases_s"]
             print(f"pair {i} {record['trainer']:9s} {record['mean_step_s']:.2f} s/step "
-                  f"({record['images_per_s']:.2f} images/s), load {record['load_avg_1m_at_start']:.1f}", flush=True)
+                  f"({record['images_per_s']:.2f} images/s; sampling {phases['time/rollout_s']:.2f} s, update "
+                  f"{phases['time/train_s']:.2f} s), load {record['load_avg_1m_at_start']:.1f}", flush=True)
         ratio = pair["omnirl"]["images_per_s"] / pair["flow_grpo"]["images_per_s"]
-        result["pairs"].append({"pair": i, "omnirl_over_flow_grpo": ratio})
-        print(f"pair {i}: omnirl {ratio:.2f}x flow_grpo's images/s", flush=True)
+        update = pair["omnirl"]["phases_s"]["time/train_s"] / pair["flow_grpo"]["phases_s"]["time/train_s"]
+        result["pairs"].append({"pair": i, "omnirl_over_flow_grpo": ratio, "update_time_ratio": update})
+        print(f"pair {i}: omnirl {ratio:.2f}x flow_grpo's images/s; omnirl's update takes {update:.2f}x "
+              f"flow_grpo's", flush=True)
 
 
 def main() -> None:
@@ -221,9 +264,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each trainer")
     parser.add_argument("--omnirl-threads", default=None, help="omnirl's run.threads (default: --threads; "
                         "'adaptive' is its default policy, which gives up a thread while the CPUs are shared)")
-    parser.add_argument("--cfg-grad", choices=("both", "cond"), default="both",
-                        help="omnirl's train.cfg_grad: both (default) differentiates both CFG branches in one call, as "
-                        "flow_grpo does; cond (omnirl's default) detaches the unconditional one: half the backward")
+    parser.add_argument("--cfg-grad", choices=("both", "cond"), default="cond",
+                        help="omnirl's train.cfg_grad: cond (default; flow_grpo's gradient) detaches the unconditional "
+                        "branch as train_sd3.py does; both differentiates both branches, more work than flow_grpo does")
+    parser.add_argument("--omnirl-micro", default="auto", help="omnirl's train.micro_batch_size (default auto)")
+    parser.add_argument("--prompts", choices=("short", "pickscore"), default="short",
+                        help="8 short prompts, or flow_grpo's dataset/pickscore prompt files")
     parser.add_argument("--load", type=int, default=0, help="busy processes (a pure-Python spin each) beside every "
                         "run: the shared-CPU case")
     args = parser.parse_args()
@@ -231,6 +277,10 @@ def main() -> None:
         args.omnirl_threads = int(args.omnirl_threads)
     if not (args.flow_grpo / "scripts" / "train_sd3.py").is_file():
         raise SystemExit(f"{args.flow_grpo} has no scripts/train_sd3.py: pass a checkout of flow_grpo")
+    if args.prompts == "pickscore" and not (args.flow_grpo / "dataset" / "pickscore" / "train.txt").is_file():
+        raise SystemExit(f"{args.flow_grpo}/dataset/pickscore/train.txt is missing: a full checkout has it")
+    if args.omnirl_micro.isdigit():
+        args.omnirl_micro = int(args.omnirl_micro)
     work = Path(tempfile.mkdtemp(prefix="omnirl-reference-"))
     from omnirl_plugin_sd35.tiny import save_tiny
 
@@ -240,14 +290,16 @@ def main() -> None:
     (work / "prompts" / "test.txt").write_text("\n".join(PROMPTS[:4]) + "\n")
     (work / "flow_grpo_config.py").write_text(FLOW_GRPO_CONFIG)
     (work / "driver.py").write_text(DRIVER)
-    (work / "omnirl.yaml").write_text(yaml.safe_dump(omnirl_recipe(work / "sd35-tiny", work / "prompts", args.steps,
+    (work / "omnirl.yaml").write_text(yaml.safe_dump(omnirl_recipe(work / "sd35-tiny", prompt_dir(work, args), args.steps,
                                                                    args.omnirl_threads or args.threads,
-                                                                   args.cfg_grad), sort_keys=False))
-    from _train import environment, write
+                                                                   args.cfg_grad, args.omnirl_micro), sort_keys=False))
+    from _train import describe, environment, write
 
     result = {"environment": environment(), "work": textwrap.dedent(__doc__.split("The work, ")[1].split("Each run")[0]),
               "images_per_step": IMAGES_PER_STEP, "steps": args.steps, "timed_steps": f"{args.skip + 1}-{args.steps}",
-              "threads": args.threads, "omnirl_threads": args.omnirl_threads or args.threads, "omnirl_cfg_grad": args.cfg_grad, "load_processes": args.load, "runs": [], "pairs": []}
+              "threads": args.threads, "omnirl_threads": args.omnirl_threads or args.threads, "omnirl_cfg_grad": args.cfg_grad, "omnirl_micro_batch_size": args.omnirl_micro, "prompts": args.prompts,
+              "load_processes": args.load, "runs": [], "pairs": []}
+    print("machine:", describe(result["environment"]), flush=True)
     busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(args.load)]
     try:
         alternate(work, args, result)
@@ -262,11 +314,14 @@ def main() -> None:
                            "mean_step_s": statistics.fmean(r["mean_step_s"] for r in runs)}
     result["omnirl_over_flow_grpo"] = {"mean_images_per_s_ratio": result["omnirl"]["images_per_s"]
                                        / result["flow_grpo"]["images_per_s"],
-                                       "per_pair": ratios, "median": statistics.median(ratios)}
+                                       "per_pair": ratios, "median": statistics.median(ratios),
+                                       "update_time_median": statistics.median(p["update_time_ratio"]
+                                                                               for p in result["pairs"])}
     path = write("reference_trainer" + (f"-load{args.load}" if args.load else ""), result)
     print(f"omnirl {result['omnirl']['images_per_s']:.2f} images/s, flow_grpo {result['flow_grpo']['images_per_s']:.2f}: "
           f"{result['omnirl_over_flow_grpo']['mean_images_per_s_ratio']:.2f}x (pairs "
-          f"{', '.join(f'{r:.2f}' for r in ratios)}); wrote {path}")
+          f"{', '.join(f'{r:.2f}' for r in ratios)}); update time {result['omnirl_over_flow_grpo']['update_time_median']:.2f}x "
+          f"(median); on {describe(result['environment'])}; wrote {path}")
 
 
 if __name__ == "__main__":

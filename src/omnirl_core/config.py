@@ -88,7 +88,10 @@ class TrainSection(Section):
         "weights untouched, the last checkpoint intact) or 'skip' that minibatch's step (counted).",
     )
     minibatches: int = Field(1, ge=1, description="Optimizer steps per training step (batch split).")
-    micro_batch_size: int = Field(16, ge=1, description="Transitions per forward/backward call.")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Transitions per forward/backward call: a memory setting, not part of the math (a "
+        "minibatch's gradient is the same sum however it is split). auto: a rank's whole minibatch in one call when "
+        "the memory plan fits it on the device, else the largest half, quarter, ... that does.")
     old_logprob: Literal["recompute", "bypass"] = Field(
         "recompute",
         description="Old log-probs: recompute with the pre-update weights, or take the rollout's (bypass).",
@@ -109,8 +112,8 @@ class TrainSection(Section):
     rs_fallback_steps: int = Field(3, ge=1, description="Consecutive steps above rs_fallback before switching.")
     cfg_grad: Literal["cond", "both"] = Field(
         "cond", description="True CFG in the training forward: the gradient through the conditional branch only, "
-        "the unconditional one detached (cond: half the backward), or through both (both: one batched call with "
-        "grad, as flow_grpo's trainers do; the exact gradient of the guided log-prob).")
+        "the unconditional one detached (cond: half the backward; flow_grpo's train_sd3.py detaches it too), or "
+        "through both (both: one batched call with grad; the exact gradient of the guided log-prob).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the training engine.")
 
 

@@ -64,6 +64,10 @@ class CausalLMPolicy(TokenModel):
         """Modules never trained, even in full fine-tuning (e.g. the vision and audio encoders)."""
         return []
 
+    def called_submodules(self) -> list[torch.nn.Module]:
+        """The decoder and the output head: scoring calls them by themselves (``hidden_states``, ``output_logits``)."""
+        return [self.module.base_model, self.module.get_output_embeddings()]  # type: ignore[operator, list-item]
+
     # -- tokens --------------------------------------------------------------------------------
     @property
     def pad_token_id(self) -> int:

@@ -63,6 +63,13 @@ class PolicyModel(ABC):
         ``model.offload: cpu`` keeps them in host memory. None by default."""
         return []
 
+    def called_submodules(self) -> list[torch.nn.Module]:
+        """Submodules of the trained modules that the model calls by themselves, not only through their trained
+        module's forward (a causal LM's decoder and output head: scoring takes logits only where it needs them). A
+        sharding train engine (FSDP2) makes each a unit of its own, so that calling it gathers its parameters.
+        They share no parameter. None by default: the model runs each trained module through its forward."""
+        return []
+
     @abstractmethod
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters the optimizer updates (LoRA weights, or the whole trained network)."""

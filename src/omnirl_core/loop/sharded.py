@@ -33,8 +33,10 @@ from omnirl_core.contracts import TrainEngine
 from omnirl_core.loop.training import (
     MetricMean,
     finite_update,
+    micro_batch,
     minibatches,
     prepare_all,
+    prepare_batch,
     rank_share,
     rs_corrections,
     split_even,
@@ -82,13 +84,13 @@ class ShardedTrainEngine(TrainEngine):
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         metrics = MetricMean()
-        mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.model, units, mbs, metrics, reference)
+        prepare_all(algorithm, self.model, units, prepare_batch(self.train, len(units)), metrics, reference)
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
             mine = rank_share(minibatch, self.rank, self.world_size)
             # every rank runs as many micro-batches as the busiest one: FSDP's collectives must pair up
             busiest = max(len(rank_share(minibatch, r, self.world_size)) for r in range(self.world_size))
+            mbs = micro_batch(self.train, busiest)
             for micro in split_even(mine, -(-busiest // mbs)):
                 loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)
                 metrics.add({"loss": float(loss.detach()), **m}, len(micro))  # an empty share: names only

@@ -15,6 +15,8 @@ from omnirl_core.errors import OmnirlError
 if TYPE_CHECKING:
     import torch
 
+    from omnirl_core.config import TrainSection
+
 T = TypeVar("T")
 U = TypeVar("U", bound=TrainingUnit)
 
@@ -41,6 +43,20 @@ def finite_update(grad_norm: float, losses: list[float], step: int, minibatch: i
         hint="Lower train.lr or raise clipping; check logprob/abs_delta_max in metrics.jsonl; or set "
         "train.nonfinite=skip to skip such minibatches. Rerun the same command to resume from the last checkpoint.",
     )
+
+
+def micro_batch(train: TrainSection, units: int) -> int:
+    """Transitions per forward/backward call when a call covers up to ``units`` (a rank's share of a minibatch):
+    ``train.micro_batch_size``, or all of them with ``auto`` (the launch's memory plan replaces ``auto`` with a
+    number where the whole share would not fit the device)."""
+    size = train.micro_batch_size
+    return max(1, units) if size == "auto" else size
+
+
+def prepare_batch(train: TrainSection, units: int) -> int:
+    """The micro-batch of the no-grad pass over a step's ``units`` (the old log-probs, the reference): the size of
+    one minibatch's calls, so that it needs no more memory than the update."""
+    return micro_batch(train, -(-units // train.minibatches))
 
 
 def chunks(items: list[T], size: int) -> list[list[T]]:

@@ -183,12 +183,12 @@ class Worker:
         without grad in micro-batches; what the actor would compute in its own ``prepare``."""
         import torch
 
-        from omnirl_core.loop.training import chunks
+        from omnirl_core.loop.training import chunks, prepare_batch
 
         assert self.algorithm is not None
         context = self.model.reference() if self.model.lora is not None else nullcontext()
         with torch.no_grad(), context:
-            for micro in chunks(units, self.resolved.config.train.micro_batch_size):
+            for micro in chunks(units, prepare_batch(self.resolved.config.train, len(units))):
                 self.algorithm.reference_prepare(self.model, micro)
         fields = self.algorithm.reference_fields
         return [{name: getattr(u, name) for name in fields} for u in units]

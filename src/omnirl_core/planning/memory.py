@@ -138,8 +138,15 @@ def check_run_memory(resolved: ResolvedRun, torch_device: str | None) -> MemoryP
     its released architecture while the run loads a preset), the floor of ``check_rollout_memory`` stands in.
     Returns the plan, or None when there is none."""
     from omnirl_core.errors import OmnirlError
-    from omnirl_core.planning.planner import check_fits, load_sizing, plan_memory
+    from omnirl_core.planning.planner import (
+        auto_micro_batch,
+        check_fits,
+        load_sizing,
+        plan_memory,
+        train_micro_batch,
+    )
 
+    run = resolved
     resolved = with_device_dtype(resolved, torch_device)
     cfg = resolved.config
     sizing = None
@@ -155,6 +162,11 @@ def check_run_memory(resolved: ResolvedRun, torch_device: str | None) -> MemoryP
         check_rollout_memory(cfg)
         return None
     memory, source = device_memory(torch_device)
+    micro = auto_micro_batch(resolved, sizing, memory, torch_device)
+    if micro is not None and micro < train_micro_batch(cfg):  # auto, and the whole share would not fit: as many as do
+        logging.getLogger("omnirl").info("train.micro_batch_size auto: %d transitions per call (the memory plan on %s)", micro, torch_device)
+        for config in {id(c): c for c in (run.config, cfg)}.values():
+            config.train.micro_batch_size = micro
     plan = plan_memory(resolved, memory, sizing, device_type=torch_device, memory_source=source)
     check_fits(plan, f"The run ({resolved.model.name}, {resolved.algorithm.name}"
                f"{', preset ' + cfg.model.preset if cfg.model.preset else ''}) on {torch_device}")

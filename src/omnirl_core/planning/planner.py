@@ -172,11 +172,32 @@ def rollout_batch_size(config: RunConfig) -> int:
 
 
 def train_micro_batch(config: RunConfig) -> int:
-    """Transitions in one training forward/backward call: ``train.micro_batch_size``, and never more than a
-    minibatch holds (every step of a minibatch's samples: ``rollout.num_steps`` transitions per sample at most)."""
+    """Transitions in one training forward/backward call: ``train.micro_batch_size``, and never more than a rank's
+    share of a minibatch holds (every step of its samples: ``rollout.num_steps`` transitions per sample at most);
+    ``auto``: that whole share (``auto_micro_batch`` lowers it where the plan would not fit)."""
     samples = config.rollout.prompts_per_step * config.rollout.group_size
-    per_minibatch = -(-samples // config.train.minibatches) * max(1, config.rollout.num_steps)
-    return max(1, min(config.train.micro_batch_size, per_minibatch))
+    run = config.run
+    ranks = run.train_workers if run.executor == "ray" and run.placement == "split" else 1
+    per_minibatch = -(-samples // config.train.minibatches)
+    per_rank = -(-per_minibatch // ranks) * max(1, config.rollout.num_steps)
+    size = config.train.micro_batch_size
+    return max(1, per_rank if size == "auto" else min(size, per_rank))
+
+
+def auto_micro_batch(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int | None,
+                     device_type: str | None = None) -> int | None:
+    """``train.micro_batch_size: auto`` as a number: the whole of a rank's minibatch share in one call when the plan
+    fits ``device_memory``, else the largest half, quarter, ... of it that does (1 when none does: the plan's
+    own refusal then says what would fit). None when the setting is a number, or there is no memory to fit."""
+    if resolved.config.train.micro_batch_size != "auto" or device_memory is None:
+        return None
+    size = train_micro_batch(resolved.config)
+    while size > 1:
+        plan = _replan(resolved, sizing, device_memory, device_type, {"train": {"micro_batch_size": size}})
+        if plan is not None and plan.fits:
+            return size
+        size = -(-size // 2)
+    return 1
 
 
 def load_sizing(resolved: ResolvedRun) -> ModelSizing:
@@ -499,6 +520,31 @@ def _degree_candidates(resolved: ResolvedRun, sizing: ModelSizing) -> list[tuple
     return out
 
 
+def _replan(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int, device_type: str | None,
+            patch: dict[str, Any]) -> MemoryPlan | None:
+    """The plan of ``resolved`` with ``patch`` (a part of the config dump) applied; None when the change does not
+    validate."""
+    from omnirl_core.config import RunConfig, deep_merge
+
+    changed = copy.copy(resolved)
+    try:
+        dump = deep_merge(resolved.config.model_dump(mode="json"), patch)
+        changed.config = RunConfig.model_validate(dump)
+        changed.options = dict(resolved.options)
+        model_options = resolved.options.get("model.options")
+        if model_options is not None and "options" in patch.get("model", {}):
+            changed.options["model.options"] = model_options.model_copy(update=patch["model"]["options"])
+        train_options = resolved.options.get("train.options")
+        if train_options is not None and "options" in patch.get("train", {}):
+            changed.options["train.options"] = train_options.model_copy(update=patch["train"]["options"])
+        resized = sizing
+        if {"lora", "dtype"} & set(patch.get("model", {})) and resolved.model.sizing:
+            resized = load_sizing(changed)  # another trainable set or dtype: the model describes it anew
+        return plan_memory(changed, device_memory, resized, suggest=False, device_type=device_type)
+    except Exception:  # noqa: BLE001 - a candidate that does not validate is simply not offered
+        return None
+
+
 def _fixes(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int, device_type: str | None = None
            ) -> tuple[list[tuple[str, int]], list[str]]:
     """Each candidate alone, then all of them together (one at a time in order until it fits); returns the
@@ -506,25 +552,7 @@ def _fixes(resolved: ResolvedRun, sizing: ModelSizing, device_memory: int, devic
     from omnirl_core.config import deep_merge
 
     def replan(patch: dict[str, Any]) -> MemoryPlan | None:
-        changed = copy.copy(resolved)
-        try:
-            from omnirl_core.config import RunConfig
-
-            dump = deep_merge(resolved.config.model_dump(mode="json"), patch)
-            changed.config = RunConfig.model_validate(dump)
-            changed.options = dict(resolved.options)
-            model_options = resolved.options.get("model.options")
-            if model_options is not None and "options" in patch.get("model", {}):
-                changed.options["model.options"] = model_options.model_copy(update=patch["model"]["options"])
-            train_options = resolved.options.get("train.options")
-            if train_options is not None and "options" in patch.get("train", {}):
-                changed.options["train.options"] = train_options.model_copy(update=patch["train"]["options"])
-            resized = sizing
-            if {"lora", "dtype"} & set(patch.get("model", {})) and resolved.model.sizing:
-                resized = load_sizing(changed)  # another trainable set or dtype: the model describes it anew
-            return plan_memory(changed, device_memory, resized, suggest=False, device_type=device_type)
-        except Exception:  # noqa: BLE001 - a candidate that does not validate is simply not offered
-            return None
+        return _replan(resolved, sizing, device_memory, device_type, patch)
 
     fixes: list[tuple[str, int]] = []
     chosen: dict[str, tuple[str, dict[str, Any]]] = {}  # by setting: the latest value wins

@@ -95,6 +95,12 @@ class FlowGRPO(FlowPolicyGradient):
         if o.sampler == "cps" and self.num_steps - 1 in trained:
             raise ConfigError("CPS adds no noise on the step to sigma 0: it cannot be trained.",
                               hint="End the window before the last step (window_start + window < num_steps).")
+        if o.ema and o.ema_step == "microbatch" and config.train.micro_batch_size == "auto":
+            raise ConfigError(
+                "FlowGRPO's ema_step: microbatch folds the EMA once per micro-batch, so the micro-batch size is part "
+                "of its math, and train.micro_batch_size is 'auto' (chosen from the memory plan).",
+                hint="Set train.micro_batch_size to a number (flow_grpo's train.batch_size x its trained steps per "
+                "sample), or use algorithm.options.ema_step=update.")
         kinds = tuple(o.sampler if i in trained else "ode" for i in range(self.num_steps))
         self._plan = RolloutPlan(step_kinds=kinds, train_steps=trained, eta=o.noise_level)
         self.has_eval_policy = o.ema

@@ -1,6 +1,7 @@
 """FSDP2 on CPU (gloo): 2 ranks make the same update as the single-process torch engine, to 1e-5 (a few
-ill-conditioned AdamW steps to 1e-2 lr: ``_assert_same_update``), for LoRA and full fine-tuning; a sharded checkpoint loads back on another number of ranks and training continues
-exactly (optimizer state included)."""
+ill-conditioned AdamW steps to 1e-2 lr: ``_assert_same_update``), for LoRA and full fine-tuning, with FlowGRPO on
+the tiny Qwen-Image and GSPO on the tiny Qwen3-Omni thinker; a sharded checkpoint loads back on another number of
+ranks and training continues exactly (optimizer state included)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,48 @@ def test_both_wan_a14b_experts_are_sharded_and_match_the_single_process(tmp_path
         assert keys and max(float((moved[k] - init[k]).abs().max()) for k in keys) > 1e-3, expert
     names = load_file(str(tmp_path / "fsdp2" / "ckpt" / "shards" / "rank-00000-of-00002.safetensors"))
     assert any(k.startswith("param/transformer_2.") for k in names)
+
+
+@pytest.fixture(scope="module")
+def thinker_runs(tmp_path_factory) -> Path:
+    """GSPO (beta 0.01) on the tiny Qwen3-Omni thinker: the torch engine and fsdp2 on 2 ranks, LoRA and full
+    fine-tuning (a sharded checkpoint after step 1 of the latter)."""
+    root = tmp_path_factory.mktemp("thinker")
+    layout = ("--layout", "qwen3-omni")
+    for mode, lora in (("lora", True), ("full", False)):
+        _launch(root / mode / "torch", "torch", lora, extra=layout)
+        _launch(root / mode / "fsdp2", "fsdp2", lora, world=2,
+                extra=(*layout, "--save-shards") if mode == "full" else layout)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_gspo_on_the_qwen3_omni_thinker_on_two_ranks_matches_the_single_process(thinker_runs: Path, mode: str):
+    """The policy scores through its decoder and output head, called by themselves (not the thinker's forward):
+    the engine makes each an FSDP unit (``called_submodules``), so their parameters are gathered there."""
+    root = thinker_runs / mode
+    for step in (1, 2):
+        ref = load_file(str(root / "torch" / f"state-{step}.safetensors"))
+        got = load_file(str(root / "fsdp2" / f"state-{step}.safetensors"))
+        _assert_same_update(ref, got, LR[mode], step)
+    init = load_file(str(root / "torch" / "state-0.safetensors"))
+    moved = load_file(str(root / "torch" / "state-1.safetensors"))
+    assert _max_diff(init, moved) > 100 * 1e-5  # the update is real
+    if mode == "full":  # the output head and the embeddings (the units outside the blocks) learn too
+        for name in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+            assert float((moved[name] - init[name]).abs().max()) > 1e-4, name
+    ref_m = json.loads((root / "torch" / "metrics.json").read_text())
+    got_m = json.loads((root / "fsdp2" / "metrics.json").read_text())
+    for step, metrics in ref_m.items():
+        for key in ("loss", "kl", "grad_norm"):
+            assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_thinker_checkpoint_of_two_ranks_loads_on_one_and_training_continues(thinker_runs: Path, tmp_path: Path):
+    two = thinker_runs / "full" / "fsdp2"
+    assert (two / "ckpt" / "model" / "model.safetensors").is_file()
+    _launch(tmp_path / "one", "fsdp2", False, extra=("--layout", "qwen3-omni", "--load-shards", str(two / "ckpt")))
+    loaded = load_file(str(tmp_path / "one" / "loaded.safetensors"))
+    assert _max_diff(load_file(str(two / "state-1.safetensors")), loaded) == 0.0
+    cont = load_file(str(tmp_path / "one" / "state-2.safetensors"))
+    _assert_same_update(load_file(str(two / "state-2.safetensors")), cont, LR["full"], 2)

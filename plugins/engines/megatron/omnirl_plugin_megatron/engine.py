@@ -52,8 +52,10 @@ from omnirl_core.loop.distributed import default_backend, ensure_process_group
 from omnirl_core.loop.training import (
     MetricMean,
     finite_update,
+    micro_batch,
     minibatches,
     prepare_all,
+    prepare_batch,
     rank_share,
     rs_corrections,
     split_even,
@@ -270,13 +272,13 @@ class MegatronTrainEngine(TrainEngine):
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         metrics = MetricMean()
-        mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.policy, units, mbs, metrics, reference)
+        prepare_all(algorithm, self.policy, units, prepare_batch(self.train, len(units)), metrics, reference)
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
             mine = rank_share(minibatch, self.dp_rank, self.dp_size)
             # every rank runs as many micro-batches as the busiest: the expert all-gather pairs them up
             busiest = max(len(rank_share(minibatch, r, self.dp_size)) for r in range(self.dp_size))
+            mbs = micro_batch(self.train, busiest)
             losses = []
             for micro in split_even(mine, -(-busiest // mbs)):
                 loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)

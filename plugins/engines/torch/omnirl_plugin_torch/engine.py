@@ -20,8 +20,10 @@ from omnirl_core.loop.training import (
     MetricMean,
     chunks,
     finite_update,
+    micro_batch,
     minibatches,
     prepare_all,
+    prepare_batch,
     rs_corrections,
 )
 
@@ -47,11 +49,11 @@ class TorchTrainEngine(TrainEngine):
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         metrics = MetricMean()
-        mbs = self.train.micro_batch_size
-        prepare_all(algorithm, self.model, units, mbs, metrics, reference)
+        prepare_all(algorithm, self.model, units, prepare_batch(self.train, len(units)), metrics, reference)
         params = self.model.trainable_parameters()
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.options.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
+            mbs = micro_batch(self.train, len(minibatch))
             losses = []
             for micro in chunks(minibatch, mbs):
                 loss, m = algorithm.loss(self.model, micro, first_update=index == 0)
