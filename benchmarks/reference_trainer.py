@@ -178,8 +178,9 @@ def run_omnirl(work: Path, index: int, args) -> dict:
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     omnirl = Path(sys.executable).with_name("omnirl")  # the CLI a user runs, from this environment
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.omnirl_env)}
     proc = subprocess.run([str(omnirl), "train", "--recipe", str(recipe), "-o", str(out)],
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, env=env, check=False)
     if proc.returncode:
         raise SystemExit(f"omnirl run {index} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -267,6 +268,8 @@ def main() -> None:
     parser.add_argument("--cfg-grad", choices=("both", "cond"), default="cond",
                         help="omnirl's train.cfg_grad: cond (default; flow_grpo's gradient) detaches the unconditional "
                         "branch as train_sd3.py does; both differentiates both branches, more work than flow_grpo does")
+    parser.add_argument("--omnirl-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for omnirl's runs only, e.g. GOMP_SPINCOUNT=300000 (repeatable)")
     parser.add_argument("--omnirl-micro", default="auto", help="omnirl's train.micro_batch_size (default auto)")
     parser.add_argument("--prompts", choices=("short", "pickscore"), default="short",
                         help="8 short prompts, or flow_grpo's dataset/pickscore prompt files")
@@ -297,7 +300,8 @@ def main() -> None:
 
     result = {"environment": environment(), "work": textwrap.dedent(__doc__.split("The work, ")[1].split("Each run")[0]),
               "images_per_step": IMAGES_PER_STEP, "steps": args.steps, "timed_steps": f"{args.skip + 1}-{args.steps}",
-              "threads": args.threads, "omnirl_threads": args.omnirl_threads or args.threads, "omnirl_cfg_grad": args.cfg_grad, "omnirl_micro_batch_size": args.omnirl_micro, "prompts": args.prompts,
+              "threads": args.threads, "omnirl_threads": args.omnirl_threads or args.threads, "omnirl_cfg_grad": args.cfg_grad, "omnirl_micro_batch_size": args.omnirl_micro,
+              "omnirl_env": args.omnirl_env, "prompts": args.prompts,
               "load_processes": args.load, "runs": [], "pairs": []}
     print("machine:", describe(result["environment"]), flush=True)
     busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(args.load)]

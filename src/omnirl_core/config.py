@@ -55,6 +55,9 @@ class ModelSection(Section):
         "while it runs (encoding a prompt, decoding a sample)."
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
+    compile: bool = Field(False, description="torch.compile (inductor) the trained network's forward, for the rollout "
+                          "and the update alike (one graph for every batch size). It pays once the run is long "
+                          "against the compile time (minutes on a CPU: benchmarks/README.md); off by default.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options owned by the model plugin.")
 
 

@@ -69,6 +69,15 @@ def reference_placement(resolved: ResolvedRun, algorithm: Algorithm) -> str | No
     return "separate"
 
 
+def compile_trained(model: PolicyModel) -> None:
+    """``model.compile``: each trained module's forward through ``torch.compile`` (inductor), in place, after the
+    engines have wrapped it (its parameters and state-dict keys stay as they are, so checkpoints and weight sync do
+    not change). Shapes are dynamic: the rollout's, the update's and the reference's batch sizes share one graph
+    (the reference's disabled adapters add one more)."""
+    for module in model.trained_modules().values():
+        module.compile(dynamic=True)
+
+
 def torch_device(resolved: ResolvedRun) -> torch.device:
     """The worker's torch device. Executors restrict each worker to its own accelerators through the
     device's visible-devices variable, so index 0 is this worker's one. A device whose torch support is
@@ -159,6 +168,8 @@ class Worker:
         if "rollout" in self.roles:
             self.rollout = built(r.rollout_engine, RolloutEngine, r.rollout_engine.load_factory()(
                 self.model, r.options.get("rollout.options"), device))
+        if cfg.model.compile:
+            compile_trained(self.model)
 
     # -- rollout -------------------------------------------------------------------------------
     def generate(self, requests: list[GenRequest], evaluation: bool = False) -> Iterator[Sample]:
