@@ -9,6 +9,13 @@ Random weights: the released checkpoint is not needed (nor downloaded); every co
 published configuration (omnirl_plugin_qwen_image.full_size) directly on the device. The model enters the run as
 a model plugin registered here, a copy of qwen-image's spec whose factory builds that pipeline in memory.
 Writes benchmarks/results/gpu_check-<size>.json (or --out).
+
+    python benchmarks/gpu_check.py --sglang               # also the SGLang rollout engine (omnirl env build sglang
+                                                          # --device cuda first): the tiny Qwen3-Omni thinker
+
+``--sglang`` adds the SGLang engine's first GPU measurement: start time, the core's rollout-engine contract (per-
+request seeds need SGLang's deterministic inference, GPU only), trainer-vs-SGLang log-probs plain / top-k / top-p,
+and prefix sharing (prompt tokens computed vs taken from the radix cache for 4 prompts x 8 samples).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 RESULTS = Path(__file__).with_name("results")
 PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_cuda", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo",
-           "omnirl_plugin_diffusers", "omnirl_plugin_fsdp2", "omnirl_plugin_jpeg"]
+           "omnirl_plugin_diffusers", "omnirl_plugin_fsdp2", "omnirl_plugin_jpeg"]  # --sglang: the installed plugins
 SIZES = {
     # full size, 512 px: 4 prompts x 8 samples a step, micro-batch 4, checkpointing, 10 steps with true CFG 4
     "full": {"rollout": {"height": 512, "width": 512, "num_steps": 10, "guidance_scale": 4.0, "prompts_per_step": 4,
@@ -105,6 +112,64 @@ def manager() -> Any:
     return m
 
 
+def sglang_check(device: str) -> dict[str, Any]:
+    """The SGLang rollout engine on the tiny Qwen3-Omni thinker (64-wide heads), on ``device``."""
+    import torch
+
+    from omnirl_core.ar.policy_gradient import AR_PLAN
+    from omnirl_core.ar.sampling import completion_tokens
+    from omnirl_core.config import LoraConfig, ModelSection
+    from omnirl_core.contracts import GenRequest
+    from omnirl_core.plugins import get_plugin_manager
+    from omnirl_core.serving.envs import component_environment, is_built
+    from omnirl_core.testing import check_rollout_engine
+
+    if not is_built(component_environment("sglang", device)):
+        return {"skipped": f"omnirl env build sglang --device {device} first"}
+    from omnirl_plugin_sglang.engine import SglangRolloutEngine, SglangRolloutOptions
+
+    spec = get_plugin_manager().resolve("model", "qwen3-omni")
+    model = spec.load_factory()(ModelSection(name="qwen3-omni", preset="tiny"), spec.load_config()(tiny_head_dim=64),
+                                device)
+    model.setup_training(LoraConfig(rank=4, alpha=8), need_reference=False)
+
+    def engine(**options: Any) -> Any:
+        return SglangRolloutEngine(model, SglangRolloutOptions(max_new_tokens=32, context_length=512, **options),
+                                   torch.device(device))
+
+    prompts = ["Hi there", "What is two plus two? Answer with a letter.", "Name a colour", "x"]
+    group = [GenRequest(uid=i, prompt=prompts[i // 8], prompt_index=i // 8, group=i // 8, seed=i, height=0, width=0,
+                        plan=AR_PLAN) for i in range(32)]
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    plain = engine()
+    plain.server  # noqa: B018 - starts SGLang
+    out["start_s"] = round(time.perf_counter() - t0, 1)
+    if device == "cuda":
+        try:
+            check_rollout_engine(lambda m: engine(), model)
+            out["contract"] = "passed"
+        except AssertionError as exc:
+            out["contract"] = f"failed: {exc}"
+    for name, options in {"plain": {}, "topk": {"temperature": 0.7, "top_k": 50},
+                          "topp": {"temperature": 0.7, "top_p": 0.9}}.items():
+        eng = engine(**options)
+        eng.server.call("flush_cache")
+        t0 = time.perf_counter()
+        samples = list(eng.generate(group))
+        seconds = time.perf_counter() - t0
+        with torch.no_grad():
+            ours = model.token_logprobs([s.prompt_tokens for s in samples], [completion_tokens(s) for s in samples],
+                                        [s.sampling for s in samples])
+        stats = eng.last_stats
+        out[name] = {"abs_delta_max": max(float((s.logprobs - o.float().cpu()).abs().max())
+                                          for s, o in zip(samples, ours)),
+                     "seconds": round(seconds, 2), "tokens": stats.get("tokens"),
+                     "prompt_tokens": stats.get("prompt_tokens"), "cached_prompt_tokens": stats.get("cached_tokens"),
+                     "prefill_tokens_computed": stats.get("prompt_tokens", 0) - stats.get("cached_tokens", 0)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
@@ -112,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=4, help="training steps; the first is warm-up")
     parser.add_argument("--device-memory", default=None, help="for the plan's verdict (default: the GPU's)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sglang", action="store_true", help="also measure the SGLang rollout engine")
     args = parser.parse_args(argv)
 
     import torch
@@ -164,6 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "plan_total_gib": plan.peak / 2**30 if plan is not None else None,
         "reward_mean": [r.get("reward/mean") for r in records],
     }
+    if args.sglang:
+        result["sglang"] = sglang_check(args.device)
     out = Path(args.out) if args.out else RESULTS / f"gpu_check-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")

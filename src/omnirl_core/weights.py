@@ -8,7 +8,7 @@ takes part, rank 0 sends).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,17 @@ def import_trained_state(model: PolicyModel, state: dict[str, torch.Tensor]) -> 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def checkpoint_names(module: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module``'s state (its attribute names) in the names and layout of its checkpoint files, the names
+    a serving engine's loaders expect: transformers renames and fuses some weights at load time (e.g. the MoE
+    experts); its own reverse of that is what ``save_pretrained`` writes."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5: state names are checkpoint names
+        return state
+    return dict(revert_weight_conversion(module, dict(state)))
 
 
 def merged_weights(module: torch.nn.Module, adapted_only: bool = False) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from omnirl_core.ar.rollout import (
 from omnirl_core.contracts import GenRequest, Sample
 from omnirl_core.errors import UsageError
 from omnirl_core.serving.rollout_server import ServedEngineOptions, ServedRolloutEngine
-from omnirl_core.weights import merged_weights
+from omnirl_core.weights import checkpoint_names, merged_weights
 
 SERVER_MODULE = "omnirl_plugin_vllm.server"
 
@@ -75,17 +75,6 @@ def _check_cpu_head_size(model: Any) -> None:
             hint="For the tiny Qwen3-Omni preset add --set model.options.tiny_head_dim=64; or use "
             "rollout.engine=transformers.",
         )
-
-
-def checkpoint_names(module: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``module``'s state (its attribute names) in the names and layout of its checkpoint files, the names
-    vLLM's loaders expect: transformers renames and fuses some weights at load time (e.g. the MoE experts);
-    its own reverse of that is what ``save_pretrained`` writes."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers < 5: state names are checkpoint names
-        return state
-    return dict(revert_weight_conversion(module, dict(state)))
 
 
 class VllmRolloutEngine(ServedRolloutEngine):
