@@ -83,7 +83,7 @@ FIRST_PARTY = frozenset({
     "omnirl-plugin-color", "omnirl-plugin-jpeg", "omnirl-plugin-ocr", "omnirl-plugin-vlm-judge",
     "omnirl-plugin-answer-match", "omnirl-plugin-clipscore", "omnirl-plugin-pickscore", "omnirl-plugin-aesthetic",
     "omnirl-plugin-hpsv2", "omnirl-plugin-imagereward", "omnirl-plugin-remote",
-    "omnirl-plugin-geneval", "omnirl-plugin-video", "omnirl-plugin-bagel", "omnirl-plugin-vllm-omni", "omnirl-plugin-vllm", "omnirl-plugin-veomni",
+    "omnirl-plugin-geneval", "omnirl-plugin-video", "omnirl-plugin-bagel", "omnirl-plugin-vllm-omni", "omnirl-plugin-vllm", "omnirl-plugin-sglang", "omnirl-plugin-veomni",
     "omnirl-plugin-megatron",
     "omnirl-plugin-flux", "omnirl-plugin-qwen-image-edit", "omnirl-plugin-edit-consistency",
     "omnirl-plugin-tensorboard", "omnirl-plugin-wandb",
