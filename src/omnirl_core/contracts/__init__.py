@@ -12,6 +12,7 @@ from omnirl_core.contracts.data import (
     GenRequest,
     RolloutPlan,
     Sample,
+    Speech,
 )
 from omnirl_core.contracts.engines import RolloutEngine, TrainEngine
 from omnirl_core.contracts.model import FlowModel, PolicyModel, TokenModel
@@ -20,6 +21,6 @@ from omnirl_core.contracts.runtime import Executor, Tracker, TrainingUnit
 
 __all__ = [
     "TRAJECTORY_FIELDS", "CallableReward", "Conditioning", "Executor", "FlowModel", "GenRequest", "PolicyModel",
-    "Reward", "RolloutEngine", "RolloutPlan", "Sample", "TokenModel", "Tracker", "TrainEngine", "TrainingUnit",
+    "Reward", "RolloutEngine", "RolloutPlan", "Sample", "Speech", "TokenModel", "Tracker", "TrainEngine", "TrainingUnit",
     "as_reward",
 ]

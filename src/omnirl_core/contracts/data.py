@@ -100,6 +100,27 @@ def condition_paths(value: object) -> tuple[str, ...]:
     return tuple(str(v) for v in items if v not in (None, ""))
 
 
+@dataclass(frozen=True)
+class Speech:
+    """A spoken sample, a speech model's decoded output (``Sample.output``) and what audio rewards score: a mono
+    waveform (1-D float32 tensor in [-1, 1], on the CPU) at ``sample_rate`` Hz, with the text it speaks (the
+    prompt for text-to-speech; the thinker's answer when the text was generated in the same rollout)."""
+
+    waveform: torch.Tensor
+    sample_rate: int
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.waveform.dim() != 1:
+            raise ValueError(f"a Speech waveform is 1-D (mono samples), not of shape {tuple(self.waveform.shape)}")
+        if self.sample_rate <= 0:
+            raise ValueError(f"sample_rate must be positive, not {self.sample_rate}")
+
+    @property
+    def duration_s(self) -> float:
+        return self.waveform.numel() / self.sample_rate
+
+
 TRAJECTORY_FIELDS = ("latents", "sigmas", "logprobs", "cond", "uncond", "prompt_tokens", "completion", "sampling")
 """The ``Sample`` fields that make up its trajectory: what a worker keeps and the update reads."""
 
@@ -118,7 +139,7 @@ class Sample:
     latents: torch.Tensor | None  # (T + 1, *latent_shape) fp32, x_0 = initial noise ... x_T = final latent (AR: None)
     sigmas: torch.Tensor | None  # (T + 1,) fp32 (None for AR)
     logprobs: torch.Tensor | None  # (T,) fp32, NaN for ODE steps; per-token log-probs for AR models
-    output: torch.Tensor | str | None  # decoded: image (3, H, W) in [0, 1], video (3, F, H, W), or text (str)
+    output: torch.Tensor | str | Speech | None  # decoded: image (3, H, W) in [0, 1], video (3, F, H, W), text, speech
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = float("nan")
     advantage: float = 0.0
