@@ -96,6 +96,7 @@ def atomic_directory(target: Path, build) -> Path:
         # run does the same whether it built the cache or found it
         with torch.random.fork_rng(devices=[]):
             build(tmp)
+        list_added_tokens(tmp)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -105,6 +106,24 @@ def atomic_directory(target: Path, build) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def list_added_tokens(directory: Path) -> None:
+    """Write each saved tokenizer's added tokens into its ``tokenizer_config.json`` (``added_tokens_decoder``), as
+    the released checkpoints' configs have them. transformers 5 leaves them out when it saves a fast tokenizer and
+    then, loading one without them, parses the whole ``tokenizer.json`` a second time in Python to find them (1-2 s
+    for a Qwen vocabulary, on every load); with them listed it reads them from the config. The tokenizer loads the
+    same either way (tests/test_presets.py checks it)."""
+    import json
+
+    for config_path in directory.rglob("tokenizer_config.json"):
+        full = config_path.with_name("tokenizer.json")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if "added_tokens_decoder" in config or not full.is_file():
+            continue
+        added = json.loads(full.read_text(encoding="utf-8")).get("added_tokens") or []
+        config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def qwen2_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen2") -> Any:

@@ -51,9 +51,22 @@ PRELOAD = (
     "omnirl_cli.main",  # first: it sets the thread policy's environment before torch loads, as the script does
     "torch", "numpy", "PIL.Image", "safetensors.torch", "yaml", "peft", "diffusers", "transformers",
     "omnirl_core.loop.controller",
+    # what diffusers and transformers import lazily on a model's first load (about 1.7 s a command, measured)
+    "diffusers.loaders.single_file_model", "diffusers.models.autoencoders", "diffusers.models.transformers",
+    "diffusers.models.unets", "diffusers.models.attention_dispatch", "diffusers.guiders",
+    "diffusers.pipelines.pipeline_utils", "transformers.conversion_mapping",
 )
 """Imported before the server forks; then the factory modules of the installed models and engines
 (``plugin_modules``), which import the model classes a command loads."""
+
+
+def _warm() -> None:
+    """Fill transformers' own memo of checkpoint key conversions (about a thousand regular expressions, compiled on
+    the first ``from_pretrained`` of a process: about 1 s a command). Pure Python, no torch operation; every later
+    call returns a deep copy of it, as it would in a fresh process after its first load."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    get_checkpoint_conversion_mapping("llama")
 
 
 def omnirl_script() -> Path:
@@ -278,6 +291,10 @@ def _preload() -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - a command that needs it imports it itself, and fails there
             sys.stderr.write(f"fork server: not preloaded: {name}: {exc}\n")
+    try:
+        _warm()
+    except Exception as exc:  # noqa: BLE001 - only a speed-up: a command computes it itself
+        sys.stderr.write(f"fork server: not warmed: {exc}\n")
 
 
 def serve(socket_path: str) -> dict[str, Any]:
