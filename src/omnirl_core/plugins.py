@@ -87,6 +87,7 @@ FIRST_PARTY = frozenset({
     "omnirl-plugin-megatron",
     "omnirl-plugin-flux", "omnirl-plugin-qwen-image-edit", "omnirl-plugin-edit-consistency",
     "omnirl-plugin-tensorboard", "omnirl-plugin-wandb",
+    "omnirl-plugin-speech-signal", "omnirl-plugin-asr-error", "omnirl-plugin-speaker-similarity",
 })
 """Distributions of this repository: an unqualified name that a third-party plugin registers too resolves to
 theirs (with a warning), so installing a plugin never breaks a command that worked."""

@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnirl")
 
-MEDIA_KEYS = ("image", "audio", "video", "mask")
-"""Record fields that hold paths relative to the data file (``mask``: the region an edit may change, for rewards)."""
+MEDIA_KEYS = ("image", "audio", "video", "mask", "voice")
+"""Record fields that hold paths relative to the data file (``mask``: the region an edit may change, ``voice``: a
+reference voice to speak in; both for rewards)."""
 BUILTIN = "builtin:"
 HF = "hf:"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")

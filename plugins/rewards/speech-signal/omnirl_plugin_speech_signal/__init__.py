@@ -1,0 +1,1 @@
+"""omnirl reward plugin: signal checks on generated speech (clipping, silence, duration against the text)."""
