@@ -106,3 +106,15 @@ def test_auto_is_lowered_only_where_the_plan_does_not_fit(tmp_path):
                        memory, sizing).fits
     fixed = api.resolve([config, {"train": {"micro_batch_size": 4}}], probe_device=False)
     assert auto_micro_batch(fixed, sizing, memory, "cpu") is None  # a number the user set is kept
+    # `omnirl plan` / api.plan plan what the run will do (check_run_memory's choice, for the CPU's dtype), on a copy
+    from omnirl_core.planning.memory import with_device_dtype
+
+    on_cpu = with_device_dtype(resolved, "cpu")
+    run_choice = auto_micro_batch(on_cpu, sizing, memory, "cpu")
+    assert run_choice is not None and run_choice < whole
+    planned = api.plan(resolved, device_memory=memory)
+    as_set = api.resolve([config, {"train": {"micro_batch_size": run_choice}}], probe_device=False)
+    assert planned.peak == plan_memory(with_device_dtype(as_set, "cpu"), memory, sizing, device_type="cpu").peak
+    assert f"train micro-batch of {run_choice} " in planned.table()
+    assert resolved.config.train.micro_batch_size == "auto"  # the caller's config is left as it was
+    assert f"train micro-batch of {whole} " in api.plan(resolved, device_memory=1 << 40).table()  # all fits: whole

@@ -17,6 +17,7 @@ exceptions: ``err.render()`` is what the CLI prints, ``err.exit_code`` its exit 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,7 +161,13 @@ def plan(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
     from omnirl_core.errors import OmnirlError
     from omnirl_core.planning.memory import device_memory as probe
     from omnirl_core.planning.memory import with_device_dtype
-    from omnirl_core.planning.planner import parse_bytes, plan_memory
+    from omnirl_core.planning.planner import (
+        auto_micro_batch,
+        load_sizing,
+        parse_bytes,
+        plan_memory,
+        train_micro_batch,
+    )
     from omnirl_core.resolve import ResolvedRun, resolve_device
 
     manager = _manager(manager)
@@ -174,4 +181,13 @@ def plan(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
     else:
         memory = device_memory if isinstance(device_memory, int) else parse_bytes(device_memory)
         source = ""
-    return plan_memory(with_device_dtype(resolved, kind), memory, device_type=kind, memory_source=source)
+    resolved = with_device_dtype(resolved, kind)
+    sizing = load_sizing(resolved)
+    micro = auto_micro_batch(resolved, sizing, memory, kind)
+    if micro is not None and micro < train_micro_batch(resolved.config):
+        # train.micro_batch_size: auto, and the whole share would not fit: plan what the run will do (as many
+        # transitions per call as fit, check_run_memory's choice), on a copy of the caller's config
+        resolved = copy.copy(resolved)
+        resolved.config = resolved.config.model_copy(deep=True)
+        resolved.config.train.micro_batch_size = micro
+    return plan_memory(resolved, memory, sizing, device_type=kind, memory_source=source)
