@@ -4,9 +4,10 @@ SGLang runs in a server process of its own, in the environment ``omnirl env buil
 (``omnirl_core.serving.envs``), reached over 127.0.0.1 (``omnirl_core.serving.rollout_server``: safetensors +
 JSON, no pickle). This side tokenises each prompt with the model plugin (the same ``TokenPrompt`` the trainer
 re-scores), sends the token ids and the sampling distribution (``omnirl_core.ar.rollout``), one request per
-sample (SGLang prefills one call's requests in one batch, so a group's shared prompt is computed per request
-within a call; its radix cache reuses prompts across calls: README, "Prefix sharing"), and turns the sampled tokens and their
-log-probs into ``Sample``s. Each request is seeded with its own seed.
+sample, and turns the sampled tokens and their log-probs into ``Sample``s. Each request is seeded with its own
+seed. SGLang prefills the requests of one batch together, each computing its prompt; with ``share_prefixes``
+the server first prefills each prompt several requests share (a GRPO group's) once, so that the group's
+samples take it from the radix cache (README, "Prefix sharing").
 
 Weight sync: before a rollout, when the trained weights changed since the last push (torch's in-place version
 counters of the trainable parameters), they go to the engine from tensors, in the checkpoint's names
@@ -17,7 +18,9 @@ prefix cache is flushed with every sync.
 
 Sampling: SGLang applies top-k and top-p jointly (both cuts measured on the temperature-scaled distribution),
 the trainer one after the other (top-p on the top-k-renormalised distribution); the two agree when only one of
-them is on, so the engine refuses both together. Guided choice (``allowed_tokens``) is not offered yet.
+them is on, so the engine refuses both together. Guided choice (``allowed_tokens``, the stop tokens kept) is a
+logit processor of the server's own inside SGLang (``guided.py``): the log-probs SGLang returns are then those
+renormalised over the allowed tokens, as the trainer re-scores them; not with a top-k / top-p cut (refused).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class SglangRolloutOptions(TokenSamplingOptions, ServedEngineOptions):
                                          "from mem_fraction_static; a CPU default of 16384).")
     mem_fraction_static: float = Field(0.5, gt=0, le=1, description="Share of the GPU's memory SGLang takes for "
                                        "weights and KV cache (the trainer shares the GPU when colocated).")
+    share_prefixes: bool = Field(True, description="Prefill each prompt that several samples of a call share "
+                                 "(a GRPO group's) once first, one token, so that its samples take it from the radix "
+                                 "cache (false: all requests at once, each computing its prompt).")
     environment: str = Field("sglang", description="The environment SGLang runs in (`omnirl env build NAME`).")
 
 
@@ -72,9 +78,12 @@ def check_sampling(options: TokenSamplingOptions) -> None:
             "The sglang engine cannot sample with top_k and top_p together as the trainer re-scores them: SGLang "
             "cuts both on the temperature-scaled distribution, the trainer applies top-p after top-k.",
             hint="Set one of rollout.options.top_k / top_p, or use rollout.engine=vllm or transformers.")
-    if options.allowed_tokens:
-        raise UsageError("The sglang engine does not offer guided choice (allowed_tokens) yet.",
-                         hint="Use rollout.engine=vllm or transformers for allowed_tokens.")
+    if options.allowed_tokens and (options.top_k > 0 or options.top_p < 1.0):
+        raise UsageError(
+            "The sglang engine cannot sample with allowed_tokens and top_k / top_p together: SGLang returns the "
+            "log-probs of a cut distribution (its sampling mask) only without a custom logit processor, and guided "
+            "choice is one.",
+            hint="Unset rollout.options.top_k / top_p with allowed_tokens, or use rollout.engine=vllm or transformers.")
 
 
 class SglangRolloutEngine(ServedRolloutEngine):
@@ -128,13 +137,15 @@ class SglangRolloutEngine(ServedRolloutEngine):
         self.sync_weights()
         p = self.params
         sampling = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-                    "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids)}
+                    "max_new_tokens": p.max_new_tokens, "stop_token_ids": list(p.stop_token_ids),
+                    "allowed_token_ids": list(p.allowed_token_ids) if p.allowed_token_ids is not None else None}
         fields = [{"uid": r.uid, "seed": int(r.seed)} for r in requests]
         tensors = {f"{r.uid}.prompt_ids": prompt.input_ids.to(torch.long).clone()  # cached prompts repeat
                    for r, prompt in zip(requests, prompts)}
         if len(tensors) != len(requests):
             raise UsageError("The sglang engine got two requests with the same uid in one call.")
-        meta, out = self.server.call("generate", {"requests": fields, "sampling": sampling}, tensors,
+        meta, out = self.server.call("generate", {"requests": fields, "sampling": sampling,
+                                                  "share_prefixes": self.options.share_prefixes}, tensors,
                                      timeout_s=self.options.request_timeout_s)
         self.last_stats = meta.get("stats", {})
         for r, prompt in zip(requests, prompts):

@@ -9,9 +9,13 @@ SGLang took from its prefix cache), ``load_weights`` (weights in the checkpoint'
 
 SGLang runs in this process as its offline ``sglang.Engine`` (its scheduler and detokenizer are child
 processes); requests are SGLang's own ``GenerateReqInput``, one request per sample: a group's shared prompt
-is found in the radix cache (RadixAttention) by requests scheduled after it was computed. Measured here: the
-requests of one call are prefilled in one batch, each computing its prompt (no sharing inside the call); a
-later call with the same prompts takes them from the cache.
+is found in the radix cache (RadixAttention) by requests scheduled after it was computed. The requests of one
+batch are prefilled together, each computing its prompt; with ``share_prefixes`` (the call's meta) a first
+batch prefills each prompt that several requests share, one greedy token whose draw is discarded, and the
+samples then compute only their prompt's last token (SGLang recomputes it for the logits).
+
+Guided choice (``allowed_tokens``): a custom logit processor of this plugin's (``guided.py``), built here and
+never taken from a client; SGLang applies it before the temperature and its log-probs.
 
 Log-probs: with top-k or top-p, SGLang's sampling-mask output (``return_sampling_mask``), the log-prob of each
 sampled token under the support SGLang sampled from, renormalised; without a cut, its ``output_token_logprobs``
@@ -141,7 +145,10 @@ class RolloutServer:
         self.engine = sglang.Engine(
             model_path=directory, device=self.device, dtype=self.dtype, context_length=self.context_length,
             max_running_requests=self.max_running_requests, sampling_backend="pytorch", random_seed=self.seed,
-            skip_tokenizer_init=True, skip_server_warmup=True, log_level="warning", **kwargs)
+            skip_tokenizer_init=True, skip_server_warmup=True, log_level="warning",
+            # guided choice: the server's own processor (guided.py); SGLang's HTTP server, which would take
+            # processors from clients, is not started
+            enable_custom_logit_processor=True, **kwargs)
         if self.prefix:  # the checkpoint's own weights under the names SGLang's model class loads
             from safetensors.torch import load_file
 
@@ -159,22 +166,40 @@ class RolloutServer:
         finally:
             _check(self.engine.end_weight_update(), "end_weight_update")
 
+    def _run(self, obj: Any) -> list[dict[str, Any]]:
+        """One batch of SGLang requests (a ``GenerateReqInput``) to completion: SGLang's outputs in order."""
+        return self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.generate_request(obj, None).__anext__())
+
     def generate(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         s = meta["sampling"]
         requests = meta["requests"]
-        obj = GenerateReqInput(
-            input_ids=[tensors[f"{r['uid']}.prompt_ids"].tolist() for r in requests],
-            sampling_params=[sampling_params(s, int(r["seed"]), self.vocab_size) for r in requests],
-            rid=[f"omnirl-{time.monotonic_ns()}-{r['uid']}" for r in requests],
-            return_logprob=True, return_sampling_mask=cut(s))
+        prompts = [tensors[f"{r['uid']}.prompt_ids"].tolist() for r in requests]
+        stats = {"seconds": 0.0, "requests": len(requests), "tokens": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                 "shared_prompts": 0, "prefill_tokens": 0}
         start = time.perf_counter()
-        outputs = self.engine.loop.run_until_complete(
-            self.engine.tokenizer_manager.generate_request(obj, None).__anext__())
-        seconds = time.perf_counter() - start
+        shared = shared_prompts(prompts) if meta.get("share_prefixes") else []
+        if shared:
+            # one request per repeated prompt first, one token each (its draw is discarded): its prompt is then in
+            # the radix cache, and each sample of the group computes only its prompt's last token
+            warm = self._run(GenerateReqInput(
+                input_ids=shared, sampling_params=[dict(WARM) for _ in shared],
+                rid=[f"omnirl-{time.monotonic_ns()}-warm-{i}" for i in range(len(shared))]))
+            stats["shared_prompts"] = len(shared)
+            stats["prefill_tokens"] += sum(_computed(o["meta_info"]) for o in warm)
+        guided: dict[str, Any] = {}
+        if s.get("allowed_token_ids"):
+            from omnirl_plugin_sglang.guided import processor
+
+            guided = {"custom_logit_processor": [processor()] * len(requests)}
+        outputs = self._run(GenerateReqInput(
+            input_ids=prompts, sampling_params=[sampling_params(s, int(r["seed"]), self.vocab_size) for r in requests],
+            rid=[f"omnirl-{time.monotonic_ns()}-{r['uid']}" for r in requests],
+            return_logprob=True, return_sampling_mask=cut(s), **guided))
+        stats["seconds"] = time.perf_counter() - start
         out: dict[str, Any] = {}
-        stats = {"seconds": seconds, "requests": len(requests), "tokens": 0, "prompt_tokens": 0, "cached_tokens": 0}
         for r, output in zip(requests, outputs):
             tokens, logprobs = parse_output(output, cut(s))
             out[f"{r['uid']}.tokens"] = torch.tensor(tokens, dtype=torch.long)
@@ -183,6 +208,7 @@ class RolloutServer:
             stats["tokens"] += len(tokens)
             stats["prompt_tokens"] += int(info.get("prompt_tokens", 0))
             stats["cached_tokens"] += int(info.get("cached_tokens", 0) or 0)
+            stats["prefill_tokens"] += _computed(info)
         return {"stats": stats}, out
 
     def load_weights(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -210,6 +236,23 @@ def _check(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang's {what} failed: {message}")
 
 
+# the request that puts a shared prompt into the radix cache: one greedy token (no random draw), discarded
+WARM = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True, "skip_special_tokens": False}
+
+
+def shared_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts that occur more than once in a call (a GRPO group's), each once, in order of first use."""
+    counts: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        counts[tuple(p)] = counts.get(tuple(p), 0) + 1
+    return [list(p) for p, n in counts.items() if n > 1]
+
+
+def _computed(info: dict[str, Any]) -> int:
+    """Prompt tokens SGLang computed for one request (those not taken from its radix cache)."""
+    return int(info.get("prompt_tokens", 0)) - int(info.get("cached_tokens", 0) or 0)
+
+
 def cut(s: dict[str, Any]) -> bool:
     """Whether the distribution is cut (top-k or top-p): then the log-probs come from SGLang's sampling mask."""
     return int(s["top_k"]) > 0 or float(s["top_p"]) < 1.0
@@ -220,10 +263,13 @@ def sampling_params(s: dict[str, Any], seed: int, vocab_size: int = 0) -> dict[s
     alone (``ignore_eos``), top-k off is -1 there, no penalty or min-p changes the distribution. SGLang's
     sampling mask takes a finite top-k only: top-p alone is sent with top-k = the vocabulary (no cut)."""
     top_k = int(s["top_k"]) if s["top_k"] > 0 else (vocab_size if float(s["top_p"]) < 1.0 and vocab_size else -1)
-    return {"temperature": float(s["temperature"]), "top_k": top_k,
-            "top_p": float(s["top_p"]), "min_p": 0.0, "max_new_tokens": int(s["max_new_tokens"]),
-            "stop_token_ids": list(s["stop_token_ids"]), "ignore_eos": True, "skip_special_tokens": False,
-            "sampling_seed": seed, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    params = {"temperature": float(s["temperature"]), "top_k": top_k,
+              "top_p": float(s["top_p"]), "min_p": 0.0, "max_new_tokens": int(s["max_new_tokens"]),
+              "stop_token_ids": list(s["stop_token_ids"]), "ignore_eos": True, "skip_special_tokens": False,
+              "sampling_seed": seed, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    if s.get("allowed_token_ids"):  # guided choice: the parameter of the server's logit processor (guided.py)
+        params["custom_params"] = {"allowed_token_ids": [int(t) for t in s["allowed_token_ids"]]}
+    return params
 
 
 def parse_output(output: dict[str, Any], cut: bool) -> tuple[list[int], list[float]]:
