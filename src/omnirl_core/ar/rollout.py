@@ -39,9 +39,10 @@ class TokenSamplingOptions(BaseModel):
                                    "steps; prompts do not change during training.")
 
 
-def require_ar_model(model: PolicyModel, engine: str) -> None:
+def require_ar_model(model: PolicyModel, engine: str, calls_model_sampler: bool = False) -> None:
     """The rollout engines of token models drive a transformers causal LM (``CausalLMPolicy``: ``module``,
-    ``model_inputs``, ``encode_prompt``, ``token_logprobs``)."""
+    ``model_inputs``, ``encode_prompt``, ``token_logprobs``). ``calls_model_sampler``: the engine calls
+    ``TokenModel.sample`` for a model that ``samples_itself``; an engine that does not refuses such a model."""
     from omnirl_core.ar.model import CausalLMPolicy
 
     if not isinstance(model, CausalLMPolicy):
@@ -49,6 +50,12 @@ def require_ar_model(model: PolicyModel, engine: str) -> None:
             f"The '{engine}' rollout engine drives autoregressive models; {type(model).__name__} is not an "
             "omnirl_core.ar.model.CausalLMPolicy (it is not an ar-text model).",
             hint="Use the rollout engine the model suggests (e.g. rollout.engine=diffusers for flow models).",
+        )
+    if model.samples_itself and not calls_model_sampler:
+        raise UsageError(
+            f"{type(model).__name__} samples its completions itself (TokenModel.sample), which the '{engine}' "
+            "rollout engine does not call.",
+            hint="Use the rollout engine the model suggests (its README names it).",
         )
 
 

@@ -153,7 +153,9 @@ class Sample:
     prompt_tokens: TokenPrompt | None = None
     """Token models: the ``omnirl_core.ar.sampling.TokenPrompt`` the completion was sampled after."""
     completion: torch.Tensor | None = None
-    """Token models: the sampled token ids (1-D long tensor), stop token included when one was sampled."""
+    """Token models: the sampled token ids (1-D long tensor), stop token included when one was sampled. A model that
+    samples itself (``TokenModel.samples_itself``) may store another layout its ``token_logprobs`` reads, one row
+    per ``logprobs`` entry (a talker's (T, K) codec frames)."""
     sampling: SamplingParams | None = None
     """Token models: the ``SamplingParams`` (temperature, top-k, top-p) of the distribution sampled from."""
     extras: dict[str, Any] = field(default_factory=dict)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from omnirl_core.ar.sampling import SamplingParams, TokenPrompt
     from omnirl_core.config import LoraConfig
-    from omnirl_core.contracts.data import Conditioning, GenRequest
+    from omnirl_core.contracts.data import Conditioning, GenRequest, Sample
 
 
 class PolicyModel(ABC):
@@ -187,3 +187,15 @@ class TokenModel(PolicyModel):
     @abstractmethod
     def decode(self, ids: torch.Tensor) -> str:
         """Token ids -> text."""
+
+    samples_itself: bool = False
+    """True for a model whose completions a generic token sampler cannot draw (a speech talker: every step is a
+    frame of several codebooks from two networks): a rollout engine that supports it calls ``sample`` instead of its
+    own generation loop; the others refuse the model."""
+
+    def sample(self, requests: Sequence[GenRequest], prompts: Sequence[TokenPrompt], params: SamplingParams,
+               generators: Sequence[torch.Generator]) -> list[Sample]:
+        """The finished samples of one batch of requests, drawn by the model (only where ``samples_itself``):
+        request i with ``generators[i]`` alone, so that it does not depend on its batch-mates; each sample's
+        ``logprobs`` are those ``token_logprobs`` recomputes for its ``completion`` under ``params``."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample by itself (samples_itself is False)")

@@ -358,9 +358,11 @@ def eval_records(resolved: ResolvedRun, prompts: str | None, split: str,
 
 
 def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
-    """Each output in its own file: PNG (image), GIF (video frames), TXT (text); returns the index rows. An edit
-    (a sample with a source image) also gets ``NNNN-edit.png``: source and result side by side under the
+    """Each output in its own file: PNG (image), GIF (video frames), TXT (text), WAV (speech); returns the index
+    rows. An edit (a sample with a source image) also gets ``NNNN-edit.png``: source and result side by side under the
     instruction."""
+    from omnirl_core.contracts.data import Speech
+    from omnirl_core.rundir.audio import write_wav
     from omnirl_core.rundir.pictures import is_video, side_by_side, to_pil
 
     out.mkdir(parents=True, exist_ok=True)
@@ -371,6 +373,8 @@ def save_samples(samples: list[Sample], out: Path) -> list[dict[str, Any]]:
         if isinstance(s.output, str):
             path = stem.with_suffix(".txt")
             write_atomic(path, s.output + "\n")
+        elif isinstance(s.output, Speech):
+            path = write_wav(stem.with_suffix(".wav"), s.output)
         elif is_video(s.output):
             path = stem.with_suffix(".gif")
             frames = [to_pil(s.output[:, f], min_side=1) for f in range(s.output.shape[1])]

@@ -182,10 +182,13 @@ class RunDir:
     def save_grid(self, step: int, images: list[Any], prompts: list[str], columns: int,
                   rewards: list[float] | None = None, sources: list[tuple[str, ...]] | None = None) -> Path:
         """A PNG grid of images / video frame strips (videos also as an animated GIF grid beside it); text
-        outputs go to a JSONL file instead. ``sources``: each image's condition images (an edit's source), shown
+        outputs go to a JSONL file instead, speech to WAV files listed in one. ``sources``: each image's condition images (an edit's source), shown
         at the start of its row."""
+        from omnirl_core.contracts.data import Speech
         from omnirl_core.rundir.pictures import image_grid, is_video, video_grid_gif
 
+        if images and all(isinstance(x, Speech) for x in images):
+            return self._save_speech(step, images, prompts, rewards)
         if images and all(isinstance(x, str) for x in images):
             path = self.samples / f"step-{step:06d}.jsonl"
             scores = rewards if rewards is not None else [None] * len(images)
@@ -197,6 +200,22 @@ class RunDir:
         _save_png(image_grid(images, prompts, columns, sources), path)
         if images and all(is_video(x) for x in images):
             video_grid_gif(images, prompts, columns, path.with_suffix(".gif"))
+        return path
+
+    def _save_speech(self, step: int, speeches: list[Any], prompts: list[str], rewards: list[float] | None) -> Path:
+        """Speech outputs: one WAV file each under ``samples/step-N/`` and ``samples/step-N.jsonl`` naming them."""
+        from omnirl_core.rundir.audio import write_wav
+
+        folder = self.samples / f"step-{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        scores = rewards if rewards is not None else [None] * len(speeches)
+        lines = []
+        for n, (speech, prompt, reward) in enumerate(zip(speeches, prompts, scores)):
+            wav = write_wav(folder / f"{n:03d}.wav", speech)
+            lines.append(json.dumps({"prompt": prompt, "text": speech.text, "audio": f"{folder.name}/{wav.name}",
+                                     "seconds": round(speech.duration_s, 3), "reward": reward}, ensure_ascii=False))
+        path = self.samples / f"step-{step:06d}.jsonl"
+        write_atomic(path, "\n".join(lines) + "\n")
         return path
 
     def plot_rewards(self) -> Path | None:

@@ -6,6 +6,9 @@ that request's own seeded generator, records the token's log-prob, and hands ``g
 distribution concentrated on the drawn token. So the recorded log-prob is exactly that of the distribution
 sampled, a request's tokens do not depend on its batch-mates, and ``generate`` still owns the KV cache,
 multimodal prefill, padding and stopping.
+
+A model that ``samples_itself`` (the Qwen3-Omni talker: one step is a frame of several codebooks) gets the same
+prompts, sampling distribution and per-request generators through ``TokenModel.sample`` instead.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _plain_generation_defaults(module: Any) -> Iterator[None]:
 
 class TransformersRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, options: TransformersRolloutOptions | None, device: Any):
-        require_ar_model(model, "transformers")
+        require_ar_model(model, "transformers", calls_model_sampler=True)
         self.model = model
         self.options = options or TransformersRolloutOptions()
         self.device = torch.device(device)
@@ -84,6 +87,10 @@ class TransformersRolloutEngine(RolloutEngine):
         from transformers import GenerationConfig, LogitsProcessorList
 
         prompts = [self._prompt(r) for r in batch]
+        if self.model.samples_itself:  # e.g. a talker's frames: the model runs its own loop, with our generators
+            yield from self.model.sample(batch, prompts, self.params, [torch.Generator().manual_seed(r.seed)
+                                                                       for r in batch])
+            return
         inputs = self.model.model_inputs([p.input_ids for p in prompts], [p.media for p in prompts], side="left")
         recorder = _SampleAndRecord(self.params, [torch.Generator().manual_seed(r.seed) for r in batch])
         config = GenerationConfig(

@@ -2,13 +2,14 @@
 AR contract (``omnirl_core.ar.model.CausalLMPolicy``): prompts with images and audio, LoRA on the text decoder.
 
 Released checkpoints (``Qwen/Qwen3-Omni-30B-A3B-Instruct`` / ``-Thinking`` / ``-Captioner``) hold the whole omni
-model (thinker + talker + code2wav); only the thinker is loaded and trained. Text output only.
+model (thinker + talker + code2wav). By default only the thinker is loaded and trained (text out); with
+``model.options.train=talker`` the whole model is loaded and its talker trained (speech out, ``talker.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +21,9 @@ from omnirl_core.contracts import GenRequest
 from omnirl_core.errors import UsageError
 from omnirl_core.presets import atomic_directory, cache_dir, checkpoint_path
 from omnirl_plugin_qwen3_omni.media import MediaEncoder, collate_media
+
+if TYPE_CHECKING:
+    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
 
 DEFAULT_HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 
@@ -33,6 +37,11 @@ class Qwen3OmniOptions(BaseModel):
         False, description="Recompute each text decoder layer's activations in the backward pass (much less "
         "training memory for long sequences, about a third more compute; same numbers)."
     )
+    train: Literal["thinker", "talker"] = Field(
+        "thinker", description="What is trained: 'thinker' (text out) or 'talker' (speech out: the prompt is the text "
+        "to speak; codec frames are the tokens, code2wav makes the waveform; needs a checkpoint with a talker)."
+    )
+    speaker: str = Field("ethan", description="The talker's voice: a name in the checkpoint's talker speaker_id.")
     tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
     tiny_head_dim: int = Field(8, ge=2, description="Attention head size of the tiny preset's text decoder (64 "
                                "for the vllm engine on a CPU, whose attention takes 64 and up).")
@@ -179,6 +188,24 @@ def _tiny_directory(seed: int, head_dim: int = 8) -> Path:
     return atomic_directory(target, lambda tmp: save_tiny(tmp, seed=seed, head_dim=head_dim))
 
 
+def _tiny_omni_directory(seed: int) -> Path:
+    from omnirl_plugin_qwen3_omni.tiny import TINY_OMNI_VERSION, TINY_VERSION, save_tiny_omni
+
+    target = cache_dir() / "presets" / f"qwen3-omni-tiny-omni-v{TINY_VERSION}.{TINY_OMNI_VERSION}-seed{seed}"
+    return atomic_directory(target, lambda tmp: save_tiny_omni(tmp, seed=seed))
+
+
+TALKER_PRESET = "tiny-talker"
+"""The tiny preset as a whole omni checkpoint (with talker and code2wav), and suggested settings to train the talker."""
+
+
+def _omni_path(section: ModelSection, options: Qwen3OmniOptions) -> str:
+    """A whole omni checkpoint: ``model.path``, the tiny omni preset (``tiny`` or ``tiny-talker``) or the hub's."""
+    if section.preset == TALKER_PRESET:
+        return section.path or str(_tiny_omni_directory(options.tiny_seed))
+    return checkpoint_path(section, "qwen3-omni", lambda: _tiny_omni_directory(options.tiny_seed), DEFAULT_HUB_ID)
+
+
 def _unreachable(path: str, exc: Exception) -> UsageError:
     return UsageError(
         f"Could not load Qwen3-Omni from '{path}': it is not a local directory and the hub is unreachable or "
@@ -213,17 +240,9 @@ def _processor_chat_template(source: str) -> str | None:
     return None
 
 
-def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any, MediaEncoder]:
-    """(thinker, tokenizer, media encoder) from a local directory or a hub id: a full omni checkpoint
-    (``qwen3_omni_moe``, the thinker is taken out, the talker never built) or a thinker-only one."""
-    from transformers import (
-        AutoConfig,
-        AutoFeatureExtractor,
-        AutoImageProcessor,
-        AutoTokenizer,
-        Qwen3OmniMoeForConditionalGeneration,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-    )
+def _checkpoint_config(path: str) -> tuple[str, Any]:
+    """(where to load from, its transformers config) for a local directory or a hub id, with clear errors."""
+    from transformers import AutoConfig
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -234,9 +253,23 @@ def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tup
                          hint="Point model.path at a Qwen3-Omni checkpoint directory, or use --preset tiny.")
     source = str(local) if looks_local else path
     try:
-        config = AutoConfig.from_pretrained(source)
+        return source, AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as exc:
         raise _unreachable(path, exc) from exc
+
+
+def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any, MediaEncoder]:
+    """(thinker, tokenizer, media encoder) from a local directory or a hub id: a full omni checkpoint
+    (``qwen3_omni_moe``, the thinker is taken out, the talker never built) or a thinker-only one."""
+    from transformers import (
+        AutoFeatureExtractor,
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen3OmniMoeForConditionalGeneration,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    source, config = _checkpoint_config(path)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     if config.model_type == "qwen3_omni_moe":
         thinker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
@@ -260,13 +293,49 @@ def load_thinker(path: str, dtype: torch.dtype, attn_implementation: str) -> tup
     return thinker, tokenizer, media
 
 
-def create_model(section: ModelSection, options: Qwen3OmniOptions | None, device: Any) -> Qwen3OmniThinker:
+def load_omni(path: str, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, Any]:
+    """(the whole omni model with its talker and code2wav, tokenizer) from a full omni checkpoint."""
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    source, config = _checkpoint_config(path)
+    if config.model_type != "qwen3_omni_moe":
+        raise UsageError(f"'{path}' holds a '{config.model_type}' model: the talker needs a whole Qwen3-Omni "
+                         "checkpoint (model_type qwen3_omni_moe, with talker_config and code2wav_config).",
+                         hint="Use a released Qwen3-Omni Instruct checkpoint, --preset tiny, or "
+                         "model.options.train=thinker.")
+    omni = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        source, enable_audio_output=True, dtype=dtype, attn_implementation=attn_implementation)
+    return omni.eval(), AutoTokenizer.from_pretrained(source)
+
+
+def create_model(section: ModelSection, options: Qwen3OmniOptions | None,
+                 device: Any) -> Qwen3OmniThinker | Qwen3OmniTalker:
     options = options or Qwen3OmniOptions()
     from omnirl_core.precision import concrete_dtype
 
     dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
-    path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed, options.tiny_head_dim), DEFAULT_HUB_ID)
+    if options.train == "talker":
+        return _create_talker(section, options, torch.device(device), dtype)
+    if section.preset == TALKER_PRESET:
+        path = _omni_path(section, options)  # its thinker is the tiny preset's
+    else:
+        path = checkpoint_path(section, "qwen3-omni", lambda: _tiny_directory(options.tiny_seed, options.tiny_head_dim),
+                               DEFAULT_HUB_ID)
     thinker, tokenizer, media = load_thinker(path, dtype, options.attn_implementation)
     model = Qwen3OmniThinker(thinker.to(device), tokenizer, media, options, torch.device(device), dtype)
+    model.source = path
+    return model
+
+
+def _create_talker(section: ModelSection, options: Qwen3OmniOptions, device: torch.device,
+                   dtype: torch.dtype) -> Qwen3OmniTalker:
+    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
+
+    if options.gradient_checkpointing:
+        raise UsageError("gradient_checkpointing applies to the thinker's text decoder, not to the talker.",
+                         hint="Set model.options.gradient_checkpointing=false with model.options.train=talker.")
+    path = _omni_path(section, options)
+    omni, tokenizer = load_omni(path, dtype, options.attn_implementation)
+    model = Qwen3OmniTalker(omni.to(device), tokenizer, options.speaker, device, dtype)
     model.source = path
     return model

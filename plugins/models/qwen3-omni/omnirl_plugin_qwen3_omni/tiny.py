@@ -68,6 +68,14 @@ def tiny_config(ids: dict[str, int] | None = None, head_dim: int = 8) -> Any:
     )
 
 
+def special_ids(tok: Any) -> dict[str, int]:
+    """The tokenizer's special token ids by the role ``tiny_config`` reads them under."""
+    return dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end"],
+                    tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
+                                               "<|vision_start|>", "<|audio_pad|>", "<|audio_start|>",
+                                               "<|audio_end|>"])))
+
+
 def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
     """(thinker, tokenizer, image processor, feature extractor): text decoder hidden 32, 2 layers, 8 experts
     top-2; vision encoder depth 2, patch 16; audio encoder 2 layers, 20 mel bins."""
@@ -78,10 +86,7 @@ def build_tiny(seed: int = 0, head_dim: int = 8) -> tuple[Any, Any, Any, Any]:
     )
 
     tok = tiny_tokenizer()
-    ids = dict(zip(["pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end"],
-                   tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
-                                              "<|vision_start|>", "<|audio_pad|>", "<|audio_start|>", "<|audio_end|>"])))
-    config = tiny_config(ids, head_dim)
+    config = tiny_config(special_ids(tok), head_dim)
     torch.manual_seed(seed)
     thinker = Qwen3OmniMoeThinkerForConditionalGeneration(config).eval()
     _widen_output_head(thinker)
@@ -124,6 +129,11 @@ def save_tiny(directory: str | Path, seed: int = 0, head_dim: int = 8) -> Path:
     directory = Path(directory)
     thinker, tok, image_processor, feature_extractor = build_tiny(seed, head_dim)
     thinker.save_pretrained(str(directory), safe_serialization=True)
+    _save_processors(directory, tok, image_processor, feature_extractor)
+    return directory
+
+
+def _save_processors(directory: Path, tok: Any, image_processor: Any, feature_extractor: Any) -> None:
     tok.save_pretrained(str(directory))
     _name_media_tokens(directory / "tokenizer_config.json")
     # one preprocessor_config.json for both, as released Qwen omni checkpoints ship it
@@ -131,4 +141,103 @@ def save_tiny(directory: str | Path, seed: int = 0, head_dim: int = 8) -> Path:
     merged.pop("mel_filters", None)  # derived from the other fields
     merged["image_processor_type"] = "Qwen2VLImageProcessor"
     (directory / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+
+
+# -- the whole omni model: thinker, talker (with its code predictor) and code2wav ------------------------------
+
+TINY_OMNI_VERSION = 1  # bump when the tiny talker / code2wav architecture changes
+TINY_CODEBOOK = 64  # codes per codebook (released: 2048)
+TINY_CODE_GROUPS = 4  # codebooks per frame: the talker's first + the code predictor's residual ones (released: 16)
+# the talker's special codec ids sit above the codebook, as in released configs (there: 2048 codes, then specials)
+TINY_CODEC_IDS = {"codec_pad_id": TINY_CODEBOOK + 4, "codec_bos_id": TINY_CODEBOOK + 5,
+                  "codec_eos_token_id": TINY_CODEBOOK + 6, "codec_nothink_id": TINY_CODEBOOK + 11,
+                  "codec_think_bos_id": TINY_CODEBOOK + 12, "codec_think_eos_id": TINY_CODEBOOK + 13}
+TINY_SPEAKERS = {"ethan": TINY_CODEBOOK + 20, "chelsie": TINY_CODEBOOK + 21}
+
+
+def tiny_omni_config(ids: dict[str, int] | None = None) -> Any:
+    """The preset's ``Qwen3OmniMoeConfig`` with audio output: the tiny thinker, a talker (MoE decoder, hidden 32,
+    2 layers, 4 experts top-2, a 128-entry codec vocabulary), its code predictor (1 layer, 3 residual codebooks of
+    64 codes) and a code2wav (1 transformer layer, 4 quantizers, the released upsampling: 1920 samples per frame
+    at 24 kHz)."""
+    from transformers import Qwen3OmniMoeConfig
+
+    thinker = tiny_config(ids)
+    rope = {"rope_type": "default", "mrope_section": _mrope_section(8), "interleaved": True, "rope_theta": 1_000_000.0}
+    talker = {
+        "text_config": {"vocab_size": 2 * TINY_CODEBOOK, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+                        "num_experts_per_tok": 2,
+                        "max_position_embeddings": 4096, "rope_parameters": rope},
+        "code_predictor_config": {"vocab_size": TINY_CODEBOOK, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 8, "num_code_groups": TINY_CODE_GROUPS,
+                                  "max_position_embeddings": 64},
+        "num_code_groups": TINY_CODE_GROUPS, "thinker_hidden_size": 32, "accept_hidden_layer": 1,
+        "spatial_merge_size": 2,  # released configs carry it; the talker reads it (its config class lacks a default)
+        "speaker_id": TINY_SPEAKERS, **TINY_CODEC_IDS,
+        **{k: getattr(thinker, k) for k in ("audio_token_id", "image_token_id", "video_token_id",
+                                            "vision_start_token_id", "audio_start_token_id")},
+    }
+    code2wav = {"codebook_size": TINY_CODEBOOK, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "intermediate_size": 64, "num_hidden_layers": 1, "num_quantizers": TINY_CODE_GROUPS,
+                "decoder_dim": 32, "max_position_embeddings": 4096}
+    return Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), talker_config=talker, code2wav_config=code2wav,
+                              enable_audio_output=True)
+
+
+def save_tiny_omni(directory: str | Path, seed: int = 0) -> Path:
+    """The tiny preset as a whole omni checkpoint (``Qwen3OmniMoeForConditionalGeneration``, the released layout:
+    ``thinker.*``, ``talker.*``, ``code2wav.*``): the thinker of ``save_tiny`` (same seed, same weights), a random
+    talker and code2wav, the same tokenizer and preprocessor files."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    directory = Path(directory)
+    thinker, tok, image_processor, feature_extractor = build_tiny(seed)
+    torch.manual_seed(seed + 1)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config(special_ids(tok))).eval()
+    model.thinker.load_state_dict(thinker.state_dict())
+    _init_talker_experts(model.talker)
+    _widen_codec_heads(model.talker)
+    _audible_code2wav(model.code2wav)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    _save_processors(directory, tok, image_processor, feature_extractor)
     return directory
+
+
+def _init_talker_experts(talker: Any) -> None:
+    """transformers' ``_init_weights`` leaves the talker's fused expert weights as allocated (uninitialised memory:
+    values up to 1e28 seen); a released checkpoint overwrites them, a random build must draw them. Same init as the
+    thinker's experts."""
+    std = talker.config.text_config.initializer_range
+    with torch.no_grad():
+        for layer in talker.model.layers:
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.gate.weight):
+                weight.normal_(0.0, std)
+
+
+def _widen_codec_heads(talker: Any, std: float = 0.3) -> None:
+    """As ``_widen_output_head`` for the talker's first-codebook head and the code predictor's residual heads."""
+    with torch.no_grad():
+        for head in [talker.codec_head, *talker.code_predictor.lm_head]:
+            head.weight.mul_(std / head.weight.std())
+
+
+def _audible_code2wav(code2wav: Any, level: float = 0.003) -> None:
+    """The released init (std 0.02 convolutions) shrinks the signal about tenfold in every decoder block: a random
+    code2wav outputs about 1e-8, silence to any audio check. Rescale its upsampling and decoder convolutions to unit
+    gain (std 1/sqrt(fan-in)) and its last convolution by ``level``, so that random codes decode to a waveform of
+    RMS about 0.1-0.25 whose loudness follows the codes (still random weights, another init scale)."""
+    with torch.no_grad():
+        for module in [*code2wav.upsample.modules(), *code2wav.decoder.modules()]:
+            if isinstance(module, torch.nn.Conv1d):
+                fan_in = module.weight.shape[1] * module.weight.shape[2]
+            elif isinstance(module, torch.nn.ConvTranspose1d):
+                fan_in = module.weight.shape[0] * module.weight.shape[2] / module.stride[0]
+            else:
+                continue
+            module.weight.mul_(fan_in ** -0.5 / module.weight.std())
+        code2wav.decoder[-1].conv.weight.mul_(level)
