@@ -12,6 +12,7 @@ normally (none of Ray's processes left while the run lives on)."""
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 POLL_S = 0.2  # how often the watchdog looks at the run's process
 REFRESH_S = 1.0  # how often it lists the run's descendants again
+READY_TIMEOUT_S = 30.0  # how long the run waits for the watchdog's first list (then goes on without the wait)
 
 
 def _identity(proc: Any) -> tuple[int, float] | None:
@@ -54,10 +56,11 @@ def kill(known: set[tuple[int, float]]) -> int:
     return killed
 
 
-def watch(driver: int, created: float, tops: list[int], poll_s: float = POLL_S, refresh_s: float = REFRESH_S) -> int:
+def watch(driver: int, created: float, tops: list[int], poll_s: float = POLL_S, refresh_s: float = REFRESH_S,
+          ready: Any = None) -> int:
     """Wait for the run's process (``driver``, started at ``created``) to end, then kill what is left of Ray's
     processes: ``tops`` (the children ``ray.init`` started) and everything below them. Returns the number of
-    processes killed (0 after a normal shutdown)."""
+    processes killed (0 after a normal shutdown). ``ready()`` is called once the first list is taken."""
     import psutil
 
     try:
@@ -75,6 +78,8 @@ def watch(driver: int, created: float, tops: list[int], poll_s: float = POLL_S, 
         return found
 
     known = below()
+    if ready is not None:
+        ready()
     last_refresh = time.monotonic()
     while True:
         try:
@@ -132,16 +137,32 @@ def start(before: set[int]) -> subprocess.Popen[bytes] | None:
     tops = sorted(c.pid for c in me.children() if c.pid not in before)
     if not tops:
         return None
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         # the file itself in isolated mode (-I: no script directory on the path): the package's import is not needed
         [sys.executable, "-I", os.path.abspath(__file__), str(me.pid), repr(me.create_time()),
          ",".join(map(str, tops))],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
         start_new_session=True)
+    # wait (bounded) until it holds its first list of Ray's processes: a run killed right after ray.init, before a
+    # slow start of the watchdog (a loaded machine) took that list, would leave them behind
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+    if ready:
+        proc.stdout.readline()
+    proc.stdout.close()
+    return proc
 
 
 def main(argv: list[str]) -> int:
-    watch(int(argv[0]), float(argv[1]), [int(p) for p in argv[2].split(",") if p])
+    def ready() -> None:
+        try:
+            sys.stdout.write("watching\n")
+            sys.stdout.flush()
+            sys.stdout.close()
+        except OSError:  # the run stopped reading (it timed out waiting): watch anyway
+            pass
+
+    watch(int(argv[0]), float(argv[1]), [int(p) for p in argv[2].split(",") if p], ready=ready)
     return 0
 
 

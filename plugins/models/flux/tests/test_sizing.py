@@ -152,13 +152,15 @@ def _row(out: str, name: str) -> float:
 
 
 def test_omnirl_plan_prints_the_transformer_weights_and_a_verdict():
-    proc = run_omnirl(["plan", "--model", "flux.1", "--algo", "flowgrpo", "--device-memory", "80GiB"], timeout=600)
+    proc = run_omnirl(["plan", "--model", "flux.1", "--algo", "flowgrpo", "--device", "cpu", "--device-memory", "80GiB"],
+                      timeout=600)
     out = proc.stdout
     verdict = next(line for line in out.splitlines() if line.startswith(("fits:", "DOES NOT FIT:")))
-    # the defaults (512 px, micro-batches of 16, no checkpointing) do not fit one 80 GiB device, whatever the
-    # dtype 'auto' resolves to here; the error names the changes that would
+    # the defaults on the CPU's dtype (float32: 'auto' there) do not fit one 80 GiB device even with the
+    # training call cut to one transition (train.micro_batch_size auto); the error names the change that would
     assert verdict.startswith("DOES NOT FIT") and proc.returncode == 2, proc.stderr[-2000:]
-    assert "fits with" in proc.stderr and "gradient_checkpointing=true" in proc.stderr
+    assert "train micro-batch of 1 " in out
+    assert "fits with" in proc.stderr and "model.dtype=bfloat16" in proc.stderr
     dtype_bytes = 4 if "(weights float32)" in verdict else 2
     transformer = full_size.parameter_counts("dev", _components("dev"))["transformer"]
     assert abs(_row(out, "weights/transformer") - transformer * dtype_bytes / GIB) < 0.01
