@@ -3,6 +3,7 @@
     python benchmarks/reference_trainer.py --flow-grpo ~/src/flow_grpo --python ~/venvs/flow-grpo/bin/python
     python benchmarks/reference_trainer.py ... --pairs 3 --steps 17 --threads 2
     python benchmarks/reference_trainer.py ... --prompts pickscore        # flow_grpo's own pickscore prompts
+    python benchmarks/reference_trainer.py ... --load 1 --paired-quiet   # degradation beside a busy process
 
 flow_grpo (github.com/yifan123/flow_grpo) is not part of omnirl: bring a checkout and a Python environment that
 runs it (torch, diffusers, transformers, peft, accelerate, ml_collections, absl-py, wandb). Its
@@ -172,7 +173,7 @@ def omnirl_recipe(model: Path, prompts: Path, steps: int, threads: int | str, cf
     }
 
 
-def run_omnirl(work: Path, index: int, args) -> dict:
+def run_omnirl(work: Path, index: str, args) -> dict:
     out = work / f"omnirl-{index}"
     recipe = work / "omnirl.yaml"
     load = os.getloadavg()[0]
@@ -191,7 +192,7 @@ def run_omnirl(work: Path, index: int, args) -> dict:
             "step_s": steps, "phases_s": phases, "threads": rows[-1].get("rollout/threads")}
 
 
-def run_flow_grpo(work: Path, index: int, args) -> dict:
+def run_flow_grpo(work: Path, index: str, args) -> dict:
     out = work / f"flow_grpo-{index}.json"
     env = {**os.environ, "FLOW_GRPO": str(args.flow_grpo), "FG_MODEL": str(work / "sd35-tiny"),
            "FG_PROMPTS": str(prompt_dir(work, args)), "FG_LOGDIR": str(work / f"flow_grpo-logs-{index}"),
@@ -233,26 +234,61 @@ def prompt_dir(work: Path, args) -> Path:
     return args.flow_grpo / "dataset" / "pickscore" if args.prompts == "pickscore" else work / "prompts"
 
 
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    """``n`` busy processes (a pure-Python spin each): the competing load."""
+    return [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(n)]
+
+
+def stop(busy: list[subprocess.Popen]) -> None:
+    for p in busy:
+        p.kill()
+        p.wait()
+
+
+def timed(run, work: Path, index: int, args, load: int) -> dict:
+    """One run beside ``load`` busy processes (none: quiet), with its mean step and images/s."""
+    busy = busy_processes(load)
+    try:  # each run its own output folder: a second run into a finished one would resume it and train nothing
+        record = run(work, f"{index}-load{load}" if load else str(index), args)
+    finally:
+        stop(busy)
+    record["pair"], record["load_processes"] = index, load
+    record["mean_step_s"] = statistics.fmean(record["step_s"])
+    record["images_per_s"] = IMAGES_PER_STEP / record["mean_step_s"]
+    phases = record["phases_s"]
+    print(f"pair {index} {record['trainer']:9s} {'quiet' if not load else f'load {load}':7s} "
+          f"{record['mean_step_s']:.2f} s/step ({record['images_per_s']:.2f} images/s; sampling "
+          f"{phases['time/rollout_s']:.2f} s, update {phases['time/train_s']:.2f} s), load avg "
+          f"{record['load_avg_1m_at_start']:.1f}", flush=True)
+    return record
+
+
 def alternate(work: Path, args, result: dict) -> None:
+    """Pairs of runs, alternating which trainer starts; each beside ``--load`` busy processes, and with
+    ``--paired-quiet`` each trainer's loaded run follows a quiet one of its own (the degradation, loaded over
+    quiet, from runs minutes apart rather than from two invocations)."""
     for i in range(args.pairs):
         order = (run_omnirl, run_flow_grpo) if i % 2 == 0 else (run_flow_grpo, run_omnirl)
-        pair = {}
+        pair: dict = {"pair": i}
+        loaded: dict = {}
         for run in order:
-            record = run(work, i, args)
-            record["pair"] = i
-            record["mean_step_s"] = statistics.fmean(record["step_s"])
-            record["images_per_s"] = IMAGES_PER_STEP / record["mean_step_s"]
+            if args.paired_quiet:
+                quiet = timed(run, work, i, args, 0)
+                result["runs"].append(quiet)
+            record = timed(run, work, i, args, args.load)
             result["runs"].append(record)
-            pair[record["trainer"]] = record
-            phases = record["phases_s"]
-            print(f"pair {i} {record['trainer']:9s} {record['mean_step_s']:.2f} s/step "
-                  f"({record['images_per_s']:.2f} images/s; sampling {phases['time/rollout_s']:.2f} s, update "
-                  f"{phases['time/train_s']:.2f} s), load {record['load_avg_1m_at_start']:.1f}", flush=True)
-        ratio = pair["omnirl"]["images_per_s"] / pair["flow_grpo"]["images_per_s"]
-        update = pair["omnirl"]["phases_s"]["time/train_s"] / pair["flow_grpo"]["phases_s"]["time/train_s"]
-        result["pairs"].append({"pair": i, "omnirl_over_flow_grpo": ratio, "update_time_ratio": update})
-        print(f"pair {i}: omnirl {ratio:.2f}x flow_grpo's images/s; omnirl's update takes {update:.2f}x "
-              f"flow_grpo's", flush=True)
+            loaded[record["trainer"]] = record
+            if args.paired_quiet:
+                pair[f"{record['trainer']}_loaded_over_quiet"] = record["mean_step_s"] / quiet["mean_step_s"]
+        pair["omnirl_over_flow_grpo"] = loaded["omnirl"]["images_per_s"] / loaded["flow_grpo"]["images_per_s"]
+        pair["update_time_ratio"] = (loaded["omnirl"]["phases_s"]["time/train_s"]
+                                     / loaded["flow_grpo"]["phases_s"]["time/train_s"])
+        result["pairs"].append(pair)
+        print(f"pair {i}: omnirl {pair['omnirl_over_flow_grpo']:.2f}x flow_grpo's images/s; omnirl's update takes "
+              f"{pair['update_time_ratio']:.2f}x flow_grpo's", flush=True)
+        if args.paired_quiet:
+            print(f"pair {i}: loaded over quiet: omnirl {pair['omnirl_loaded_over_quiet']:.2f}x, flow_grpo "
+                  f"{pair['flow_grpo_loaded_over_quiet']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -275,7 +311,11 @@ def main() -> None:
                         help="8 short prompts, or flow_grpo's dataset/pickscore prompt files")
     parser.add_argument("--load", type=int, default=0, help="busy processes (a pure-Python spin each) beside every "
                         "run: the shared-CPU case")
+    parser.add_argument("--paired-quiet", action="store_true", help="with --load: each trainer's loaded run follows "
+                        "a quiet one, and each pair reports both trainers' degradation (loaded over quiet)")
     args = parser.parse_args()
+    if args.paired_quiet and not args.load:
+        raise SystemExit("--paired-quiet compares runs beside --load N busy processes with quiet ones: pass --load")
     if args.omnirl_threads is not None and args.omnirl_threads.isdigit():
         args.omnirl_threads = int(args.omnirl_threads)
     if not (args.flow_grpo / "scripts" / "train_sd3.py").is_file():
@@ -304,16 +344,10 @@ def main() -> None:
               "omnirl_env": args.omnirl_env, "prompts": args.prompts,
               "load_processes": args.load, "runs": [], "pairs": []}
     print("machine:", describe(result["environment"]), flush=True)
-    busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass"]) for _ in range(args.load)]
-    try:
-        alternate(work, args, result)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
+    alternate(work, args, result)
     ratios = [p["omnirl_over_flow_grpo"] for p in result["pairs"]]
     for trainer in ("omnirl", "flow_grpo"):
-        runs = [r for r in result["runs"] if r["trainer"] == trainer]
+        runs = [r for r in result["runs"] if r["trainer"] == trainer and r["load_processes"] == args.load]
         result[trainer] = {"images_per_s": statistics.fmean(r["images_per_s"] for r in runs),
                            "mean_step_s": statistics.fmean(r["mean_step_s"] for r in runs)}
     result["omnirl_over_flow_grpo"] = {"mean_images_per_s_ratio": result["omnirl"]["images_per_s"]
@@ -321,7 +355,11 @@ def main() -> None:
                                        "per_pair": ratios, "median": statistics.median(ratios),
                                        "update_time_median": statistics.median(p["update_time_ratio"]
                                                                                for p in result["pairs"])}
-    path = write("reference_trainer" + (f"-load{args.load}" if args.load else ""), result)
+    if args.paired_quiet:
+        result["loaded_over_quiet_median"] = {t: statistics.median(p[f"{t}_loaded_over_quiet"] for p in result["pairs"])
+                                              for t in ("omnirl", "flow_grpo")}
+    path = write("reference_trainer" + (f"-load{args.load}" if args.load else "")
+                 + ("-paired" if args.paired_quiet else ""), result)
     print(f"omnirl {result['omnirl']['images_per_s']:.2f} images/s, flow_grpo {result['flow_grpo']['images_per_s']:.2f}: "
           f"{result['omnirl_over_flow_grpo']['mean_images_per_s_ratio']:.2f}x (pairs "
           f"{', '.join(f'{r:.2f}' for r in ratios)}); update time {result['omnirl_over_flow_grpo']['update_time_median']:.2f}x "
