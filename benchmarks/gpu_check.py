@@ -15,7 +15,8 @@ Writes benchmarks/results/gpu_check-<size>.json (or --out).
 
 ``--sglang`` adds the SGLang engine's first GPU measurement: start time, the core's rollout-engine contract (per-
 request seeds need SGLang's deterministic inference, GPU only), trainer-vs-SGLang log-probs plain / top-k / top-p,
-and prefix sharing (prompt tokens computed vs taken from the radix cache for 4 prompts x 8 samples).
+and prefix sharing (prefill tokens computed and wall time for 4 prompts x 8 samples, plain sampling with
+``share_prefixes`` off and on; ``benchmarks/sglang_prefix_sharing.py --device cuda`` measures more group shapes).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def sglang_check(device: str) -> dict[str, Any]:
     from omnirl_core.contracts import GenRequest
     from omnirl_core.plugins import get_plugin_manager
     from omnirl_core.serving.envs import component_environment, is_built
-    from omnirl_core.testing import check_rollout_engine
+    from omnirl_core.testing.engines import check_rollout_engine
 
     if not is_built(component_environment("sglang", device)):
         return {"skipped": f"omnirl env build sglang --device {device} first"}
@@ -151,8 +152,8 @@ def sglang_check(device: str) -> dict[str, Any]:
             out["contract"] = "passed"
         except AssertionError as exc:
             out["contract"] = f"failed: {exc}"
-    for name, options in {"plain": {}, "topk": {"temperature": 0.7, "top_k": 50},
-                          "topp": {"temperature": 0.7, "top_p": 0.9}}.items():
+    for name, options in {"plain": {}, "plain-unshared": {"share_prefixes": False},
+                          "topk": {"temperature": 0.7, "top_k": 50}, "topp": {"temperature": 0.7, "top_p": 0.9}}.items():
         eng = engine(**options)
         eng.server.call("flush_cache")
         t0 = time.perf_counter()
@@ -166,7 +167,9 @@ def sglang_check(device: str) -> dict[str, Any]:
                                           for s, o in zip(samples, ours)),
                      "seconds": round(seconds, 2), "tokens": stats.get("tokens"),
                      "prompt_tokens": stats.get("prompt_tokens"), "cached_prompt_tokens": stats.get("cached_tokens"),
-                     "prefill_tokens_computed": stats.get("prompt_tokens", 0) - stats.get("cached_tokens", 0)}
+                     # the shared prompts prefilled first included (share_prefixes)
+                     "prefill_tokens_computed": stats.get("prefill_tokens"),
+                     "shared_prompts": stats.get("shared_prompts")}
     return out
 
 

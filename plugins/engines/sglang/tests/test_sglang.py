@@ -238,7 +238,7 @@ def test_the_rollout_engine_contract_on_a_gpu():
     require_engine_environment("sglang", "cuda")
     from omnirl_plugin_sglang.engine import SglangRolloutEngine
 
-    from omnirl_core.testing import check_rollout_engine
+    from omnirl_core.testing.engines import check_rollout_engine
 
     check_rollout_engine(lambda m: SglangRolloutEngine(m, SglangRolloutOptions(**ENGINE), torch.device("cuda")),
                          load())
