@@ -93,13 +93,18 @@ def test_split_column_test_file_and_builtin_sets(tmp_path: Path):
     assert len(data.train) == 10 and [r["prompt"] for r in data.test] == ["held out one", "held out two"]
     with pytest.raises(ConfigError, match="already has a test set"):
         load_data(_data(prompts=str(path), test_fraction=0.5))
-    assert builtin_sets() == ["colors", "composition", "counting", "edits", "text"]
+    assert builtin_sets() == ["colors", "composition", "counting", "edits", "speech", "text"]
     for name in builtin_sets():
         data = load_data(_data(prompts=f"builtin:{name}"))
         assert len(data.train) + len(data.test) >= 250 and len(data.test) >= 40, name
         assert not {r["prompt"] for r in data.train} & {r["prompt"] for r in data.test}
     counting = load_data(_data(prompts="builtin:counting"))
     assert {"count", "object"} <= counting.train[0].keys()
+    # a reward may suggest a shipped set (the speech rewards: builtin:speech): its own split, as if given
+    suggested = load_data(_data(), "builtin:speech", "reward 'speech-signal'")
+    given = load_data(_data(prompts="builtin:speech"))
+    assert suggested.train == given.train and suggested.test == given.test and len(suggested.test) >= 40
+    assert suggested.source == "builtin:speech, suggested by reward 'speech-signal'"
 
 
 def test_shipped_sets_are_what_the_generator_writes():

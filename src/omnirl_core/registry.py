@@ -175,7 +175,8 @@ class RewardSpec(ComponentSpec):
     """The output kind it scores (a model capability: 'image', 'video', ...), several, or 'any'."""
     resources: dict[str, float] = field(default_factory=dict)
     default_prompts: str | Sequence[str] | None = None
-    """Prompts this reward makes sense with (a list or ``"module:attr"``), used when none are given."""
+    """Prompts this reward makes sense with (a list, ``"module:attr"``, or a shipped set ``"builtin:NAME"`` with its
+    own test split), used when none are given."""
     input_fields: str | Sequence[str] = ()
     """Fields every prompt record must hold for this reward (e.g. a reference answer): names, or
     ``"module:attr"`` of a function ``(options) -> names`` when an option picks them. Checked at dry-run."""

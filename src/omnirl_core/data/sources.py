@@ -371,9 +371,10 @@ def _test_part(data: Records | dict[str, Records], cfg: DataSection, where: str)
     return data
 
 
-def load_data(cfg: DataSection, default_prompts: list[Any] | None = None, default_name: str = "") -> PromptData:
+def load_data(cfg: DataSection, default_prompts: list[Any] | str | None = None, default_name: str = "") -> PromptData:
     """Open and check a run's prompt data (``cfg``: the config's ``data`` section). ``default_prompts``: what
-    the run uses when ``data.prompts`` is unset (the first reward's suggested prompts)."""
+    the run uses when ``data.prompts`` is unset (the first reward's suggested prompts: a list, or a shipped set's
+    ``builtin:NAME``)."""
     column = cfg.prompt_column
     source = cfg.prompts
     if source is None:
@@ -381,8 +382,11 @@ def load_data(cfg: DataSection, default_prompts: list[Any] | None = None, defaul
             raise NoPromptsError("No prompts: set data.prompts (a file, builtin:NAME, hf:NAME or a list).",
                               hint="Example: --set data.prompts=prompts.txt (built-in sets: "
                               f"{', '.join('builtin:' + n for n in builtin_sets())})")
-        source, column = list(default_prompts), "prompt"
+        source = default_prompts if isinstance(default_prompts, str) else list(default_prompts)
+        column = "prompt"
         described = f"the suggested prompts of {default_name or 'the reward'}"
+        if isinstance(default_prompts, str):
+            described = f"{default_prompts}, suggested by {default_name or 'the reward'}"
     else:
         described = _describe(source)
         if isinstance(source, str) and source.startswith(BUILTIN):
@@ -457,11 +461,14 @@ def open_run_data(resolved: ResolvedRun) -> PromptData:
     is evaluated on them)."""
     from omnirl_core.registry import load_object
 
-    default, name = None, ""
+    default: list[Any] | str | None = None
+    name = ""
     if resolved.config.data.prompts is None:
         for spec in resolved.rewards:
-            if spec.default_prompts is not None:
-                default, name = list(load_object(spec.default_prompts)), f"reward '{spec.name}'"
+            ref = spec.default_prompts
+            if ref is not None:
+                default = ref if isinstance(ref, str) and ref.startswith(BUILTIN) else list(load_object(ref))
+                name = f"reward '{spec.name}'"
                 break
     data = load_data(resolved.config.data, default, name)
     check_reward_fields(resolved, data)

@@ -18,7 +18,7 @@ from omnirl_core.data.sources import PromptData, PromptSampler, open_run_data
 from omnirl_core.loop.cluster import WorkerLostError
 from omnirl_core.loop.executors import make_executor
 from omnirl_core.loop.interrupts import StopSignals
-from omnirl_core.loop.trackers import TrackerRun, TrackerSet, resolve_trackers, step_event
+from omnirl_core.loop.trackers import TrackerRun, TrackerSet, resolve_trackers, step_audio, step_event
 from omnirl_core.loop.worker import build_algorithm
 from omnirl_core.resolve import ResolvedRun
 from omnirl_core.rewards.dispatch import RewardHealth
@@ -265,7 +265,9 @@ class Controller:
                         last_saved = step
                 if self.trackers:
                     self.trackers.log(step_event(step, record, samples, [e.name for e in cfg.rewards],
-                                                 self._images(step)))
+                                                 self._images(step), step_audio(self.run_dir.path, step,
+                                                                                self.grid_due(step),
+                                                                                self.eval_due(step))))
                 if self.on_step:
                     self.on_step(record)
                 signals.raise_pending()

@@ -102,6 +102,8 @@ class EvalResult:
             for m in self.metrics:
                 values = [r[m] for r in rows if m in r and math.isfinite(r[m])]
                 entry[m] = statistics.fmean(values) if values else float("nan")
+            if any("audio" in r for r in rows):  # speech: the prompt's WAV files, to listen beside its scores
+                entry["audio"] = [r["audio"] for r in rows if "audio" in r]
             out.append(entry)
         return out
 
@@ -169,10 +171,34 @@ def compare(base: EvalResult, other: EvalResult) -> dict[str, dict[str, float]]:
     return out
 
 
+def _speech(result: EvalResult, path: Path) -> Path:
+    """Every speech sample as a WAV file in the folder ``path`` without its suffix (``trained/0003.wav``), named in
+    its row of ``result`` (``audio``, ``seconds``), and the listing ``path`` as JSONL: prompt, seed, the text
+    spoken, the file and its scores, a line per sample."""
+    from omnirl_core.rundir.audio import write_wav
+
+    folder = path.with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for n, (row, speech) in enumerate(zip(result.rows, result.outputs)):
+        wav = write_wav(folder / f"{n:04d}.wav", speech)
+        row.update(audio=f"{folder.name}/{wav.name}", seconds=round(speech.duration_s, 3))
+        scores = {m: row[m] for m in result.metrics if m in row}
+        lines.append(json.dumps({"prompt": row["prompt"], "seed": row["seed"], "text": speech.text,
+                                 "audio": row["audio"], "seconds": row["seconds"], **scores}, ensure_ascii=False))
+    path = path.with_suffix(".jsonl")
+    write_atomic(path, "\n".join(lines) + "\n")
+    return path
+
+
 def _grid(result: EvalResult, samples_per_prompt: int, path: Path) -> Path | None:
-    """The first GRID_PROMPTS prompts, one row each (PNG; a JSONL file for text outputs)."""
+    """The first GRID_PROMPTS prompts, one row each (PNG; a JSONL file for text outputs); speech: every sample's
+    WAV file and a JSONL listing (``_speech``)."""
+    from omnirl_core.contracts.data import Speech
     from omnirl_core.rundir.pictures import image_grid
 
+    if result.outputs and all(isinstance(o, Speech) for o in result.outputs):
+        return _speech(result, path)
     count = min(len(result.outputs), GRID_PROMPTS * samples_per_prompt)
     outputs, rows = result.outputs[:count], result.rows[:count]
     if not outputs:
@@ -204,7 +230,8 @@ def eval_settings(cfg: RunConfig, *, step: int, checkpoint: str | None, weights:
 def write_results(directory: Path, results: list[EvalResult], settings: dict[str, Any],
                   comparison: dict[str, dict[str, float]] | None = None, samples_per_prompt: int = 1) -> Path:
     """``directory/results.json`` (settings, each model's summary and per-prompt means, every sample's scores,
-    the comparison) and ``directory/<label>.png`` grids."""
+    the comparison) and ``directory/<label>.png`` grids (speech: ``directory/<label>/NNNN.wav``, every sample,
+    listed in ``directory/<label>.jsonl`` and named in the sample rows and per-prompt entries)."""
     directory.mkdir(parents=True, exist_ok=True)
     models = {}
     for result in results:

@@ -5,7 +5,8 @@ A tracker plugin registers a ``TrackerSpec`` through ``omnirl_register_trackers`
 validated options (``run.trackers.N.options``) and returns an ``omnirl_core.contracts.Tracker``:
 
   start(run: TrackerRun)     once, after the run directory is set up (and a checkpoint loaded, if any)
-  log(event: StepEvent)      after each step's metrics row is written to metrics.jsonl
+  log(event: StepEvent)      after each step's metrics row is written to metrics.jsonl (with the step's
+                             pictures, per-sample rewards and speech samples, when it saved any)
   close()                    at the end of the run, whatever ended it
 
 A resumed run starts at ``run.start_step``; rows of steps at or after it that an earlier attempt logged are
@@ -15,6 +16,7 @@ Whatever a tracker raises is logged as a warning and the run goes on: watching n
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -54,6 +56,15 @@ class TrackerRun:
         return self.start_step > 1
 
 
+@dataclass(frozen=True)
+class AudioClip:
+    """One speech sample the run directory keeps: a 16-bit PCM mono WAV file and its caption."""
+
+    path: Path
+    caption: str
+    """The text spoken, with the sample's reward where it has one."""
+
+
 @dataclass
 class StepEvent:
     step: int
@@ -63,6 +74,42 @@ class StepEvent:
     """PNG files saved at this step, by tag: ``samples`` (the sample grid), ``eval/samples``."""
     histograms: dict[str, list[float]] = field(default_factory=dict)
     """Per-sample values, by tag: ``reward/total`` and ``reward/<name>``."""
+    audio: dict[str, list[AudioClip]] = field(default_factory=dict)
+    """Speech samples saved at this step as WAV files, by tag (as ``images``): ``samples``, ``eval/samples``."""
+
+
+def saved_audio(listing: Path, folder: Path) -> list[AudioClip]:
+    """The speech samples a JSONL listing names (``audio``: a WAV path relative to ``folder``), in its order:
+    ``samples/step-N.jsonl`` of a run, an evaluation's ``<label>.jsonl``. When the listing is absent or names
+    no audio (text outputs): an empty list; an unreadable one too, with a warning (watching never fails
+    training)."""
+    if not listing.is_file():
+        return []
+    clips = []
+    try:
+        records = [json.loads(line) for line in listing.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("the trackers get no audio of %s: %s", listing, exc)
+        return []
+    for record in records:
+        if not isinstance(record, dict) or "audio" not in record:
+            continue
+        reward = record.get("reward")
+        score = f" (reward {reward:.3f})" if isinstance(reward, (int, float)) and math.isfinite(reward) else ""
+        clips.append(AudioClip(folder / record["audio"], f"{record.get('text') or record.get('prompt', '')}{score}"))
+    return clips
+
+
+def step_audio(run_dir: Path, step: int, samples: bool, evaluation: bool) -> dict[str, list[AudioClip]]:
+    """The speech samples step ``step`` saved in ``run_dir``: its samples (``samples``: the step saved them, as
+    it saves a grid) and its evaluation's (``evaluation``: the step evaluated), by tracker tag."""
+    audio = {}
+    name = f"step-{step:06d}"
+    if samples:
+        audio["samples"] = saved_audio(run_dir / "samples" / f"{name}.jsonl", run_dir / "samples")
+    if evaluation:
+        audio["eval/samples"] = saved_audio(run_dir / "eval" / name / "trained.jsonl", run_dir / "eval" / name)
+    return {tag: clips for tag, clips in audio.items() if clips}
 
 
 @dataclass
@@ -156,7 +203,7 @@ class TrackerSet:
 
 
 def step_event(step: int, record: dict[str, Any], samples: list[Sample], reward_names: list[str],
-               images: dict[str, Path]) -> StepEvent:
+               images: dict[str, Path], audio: dict[str, list[AudioClip]] | None = None) -> StepEvent:
     """A tracker's view of one finished step."""
     histograms: dict[str, list[float]] = {}
     totals = [s.reward for s in samples if isinstance(s.reward, float) and math.isfinite(s.reward)]
@@ -166,4 +213,4 @@ def step_event(step: int, record: dict[str, Any], samples: list[Sample], reward_
         values = [s.rewards[name] for s in samples if name in s.rewards]
         if values:
             histograms[f"reward/{name}"] = values
-    return StepEvent(step=step, metrics=numeric(record), images=images, histograms=histograms)
+    return StepEvent(step=step, metrics=numeric(record), images=images, histograms=histograms, audio=audio or {})

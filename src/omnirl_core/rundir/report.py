@@ -1,6 +1,8 @@
 """``omnirl report RUN_DIR``: one self-contained HTML page about a run (no network: charts are inline SVG,
-pictures PNG data URLs). Curves of the reward (with its spread), the held-out evaluation, KL, clip fraction,
-loss and the time split of a step; the sample grids over time; the evaluations' tables and grids."""
+pictures PNG data URLs, speech WAV data URLs in ``<audio controls>`` players). Curves of the reward (with its
+spread), the held-out evaluation, KL, clip fraction, loss and the time split of a step; the sample grids over time
+(speech: a player beside each sample's text); the evaluations' tables and grids (speech: per sample, its scores
+and a player)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from omnirl_core.errors import UsageError
 COLORS = ["#2f6fd0", "#d0542f", "#2e9e5b", "#8e44ad", "#c79a14", "#16a3b8", "#7f7f7f"]
 MAX_GRIDS = 16
 """Sample grids shown (evenly spaced over the run, the first and the last always)."""
+LISTED = 4
+"""Samples shown of each step's text or speech listing (the first ones: the first prompt's group)."""
+MAX_EVAL_CLIPS = 16
+"""Speech samples shown with a player per evaluated model (the first ones, in prompt order)."""
 T = TypeVar("T")
 
 
@@ -158,6 +164,27 @@ def _data_url(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+def _player(path: Path) -> str:
+    """An ``<audio controls>`` player of a WAV file, embedded as a data URL (the page stays self-contained); a
+    missing file is said so in its place."""
+    if not path.is_file():
+        return f"<em>{html.escape(path.name)} missing</em>"
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<audio controls preload="metadata" src="data:audio/wav;base64,{data}"></audio>'
+
+
+def _read_listing(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL listing; a torn or unreadable one gives what it holds up to the damage."""
+    out = []
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                out.append(json.loads(line))
+    except (OSError, json.JSONDecodeError):
+        pass
+    return out
+
+
 def _spaced(items: list[T], count: int) -> list[T]:
     if len(items) <= count:
         return items
@@ -179,9 +206,26 @@ def _learning(records: list[dict[str, Any]]) -> str:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
+    return _html_table([[html.escape(c) for c in row] for row in rows], header)
+
+
+def _html_table(rows: list[list[str]], header: list[str]) -> str:
+    """A table of cells that are HTML already (escaped text, players)."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _score(value: object) -> str:
+    return f"{value:.3f}" if _finite(value) else "-"
+
+
+def _speech_table(lines: list[dict[str, Any]], folder: Path, metrics: list[str]) -> str:
+    """Speech samples: the text spoken, the seconds, each score and a player of its WAV (``audio``: relative to
+    ``folder``)."""
+    rows = [[html.escape(str(x.get("text") or x.get("prompt", ""))), _score(x.get("seconds")),
+             *(_score(x.get(m)) for m in metrics), _player(folder / str(x["audio"]))] for x in lines]
+    return _html_table(rows, ["text", "seconds", *metrics, "audio"])
 
 
 def _evaluations(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -217,8 +261,14 @@ def _eval_section(run_dir: Path) -> str:
                 f"CFG {data.get('guidance_scale', '?')}{' (during training)' if data.get('during_training') else ''}")
         grids = "".join(f'<figure><img alt="{html.escape(label)} samples" src="{_data_url(directory / m["grid"])}">'
                         f"<figcaption>{html.escape(label)}</figcaption></figure>"
-                        for label, m in models.items() if m.get("grid", "").endswith(".png")
+                        for label, m in models.items() if (m.get("grid") or "").endswith(".png")
                         and (directory / m["grid"]).is_file())
+        for label, m in models.items():  # speech: each sample's scores beside a player
+            clips = [x for x in m.get("samples", []) if "audio" in x][:MAX_EVAL_CLIPS]
+            if clips:
+                grids += (f"<figure><figcaption>{html.escape(label)}: the first {len(clips)} of "
+                          f"{len(m['samples'])} samples</figcaption>{_speech_table(clips, directory, list(metrics))}"
+                          "</figure>")
         parts.append(f"<h3>{html.escape(directory.name)}</h3><p>{html.escape(what)}</p>"
                      f"{_table(rows, header)}<div class=grids>{grids}</div>")
     return "".join(parts)
@@ -276,11 +326,13 @@ def build_report(run_dir: Path) -> str:
                        f"<figcaption>{html.escape(caption)}</figcaption></figure>")
     texts = sorted(rd.samples.glob("step-*.jsonl")) if rd.samples.is_dir() else []
     for path in _spaced(texts, MAX_GRIDS):
-        lines = [json.loads(line) for line in path.read_text().splitlines()[:4] if line.strip()]
-        rows = [[x.get("prompt", ""), str(x.get("output", ""))[:200], f"{x.get('reward', float('nan')):.3f}"]
-                for x in lines]
-        figures.append(f"<figure><figcaption>{html.escape(path.stem)}</figcaption>"
-                       f"{_table(rows, ['prompt', 'output', 'reward'])}</figure>")
+        lines = _read_listing(path)[:LISTED]
+        if lines and all("audio" in x for x in lines):  # speech: samples/step-N/NNN.wav, a player each
+            table = _speech_table(lines, rd.samples, ["reward"])
+        else:
+            table = _table([[x.get("prompt", ""), str(x.get("output", ""))[:200], _score(x.get("reward"))]
+                            for x in lines], ["prompt", "output", "reward"])
+        figures.append(f"<figure><figcaption>{html.escape(path.stem)}</figcaption>{table}</figure>")
     total_s = sum(r.get("time/step_s", 0.0) for r in records if _finite(r.get("time/step_s")))
     model = config.get("model", {})
     facts = [

@@ -26,22 +26,6 @@ from omnirl_plugin_asr_error.text import error_rate, normalised_reference
 
 DEFAULT_PATH = "openai/whisper-large-v3-turbo"
 WHISPER_RATE = 16000
-DEFAULT_PROMPTS = (
-    [{"prompt": p, "split": "train"} for p in (
-        "Hello, my name is Anna.",
-        "The train leaves at 7:45 from platform 3.",
-        "Dr. Smith bought 12 apples and 2 pears.",
-        "Is it going to rain in Paris tomorrow?",
-        "Please call me back before noon!",
-        "We walked 5 miles along the river.",
-    )]
-    + [{"prompt": p, "split": "test"} for p in (
-        "Good morning, Mr. Brown.",
-        "She was born on May 4, 1990.",
-        "Turn left at the second light.",
-        "How much is 3 plus 4?",
-    )]
-)
 
 
 class AsrErrorOptions(ModelRewardOptions):

@@ -27,25 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from omnirl_core.contracts import Reward
 from omnirl_core.contracts.data import Speech
 
-# texts to speak (a run's data when it names none): numbers, names and punctuation; four held out in the `split`
-# column for `omnirl eval`
-DEFAULT_PROMPTS = (
-    [{"prompt": p, "split": "train"} for p in (
-        "Hello, my name is Anna.",
-        "The train leaves at 7:45 from platform 3.",
-        "Dr. Smith bought 12 apples and 2 pears.",
-        "Is it going to rain in Paris tomorrow?",
-        "Please call me back before noon!",
-        "We walked 5 miles along the river.",
-    )]
-    + [{"prompt": p, "split": "test"} for p in (
-        "Good morning, Mr. Brown.",
-        "She was born on May 4, 1990.",
-        "Turn left at the second light.",
-        "How much is 3 plus 4?",
-    )]
-)
-
 SUB_SCORES = ("clipping", "silence", "duration")
 
 

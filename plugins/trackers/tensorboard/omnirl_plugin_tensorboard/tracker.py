@@ -22,6 +22,10 @@ class TensorBoardOptions(BaseModel):
     log_dir: str | None = Field(None, description="Event file directory; None: RUN_DIR/tensorboard.")
     images: bool = Field(True, description="Log the sample grids (and evaluation grids) as images.")
     histograms: bool = Field(True, description="Log each step's per-sample rewards as histograms.")
+    audio: bool = Field(True, description="Log the speech samples (and evaluation samples) as audio, with their "
+                        "texts.")
+    audio_clips: int = Field(8, ge=1, description="Speech samples logged per tag and step (the first ones: the "
+                             "first prompt's group).")
 
 
 class TensorBoardTracker(Tracker):
@@ -51,12 +55,34 @@ class TensorBoardTracker(Tracker):
                 finite = [v for v in values if math.isfinite(v)]
                 if finite:
                     self.writer.add_histogram(tag, np.asarray(finite, dtype=np.float64), event.step)
+        if self.options.audio:  # one audio tag per clip (tag/N), their texts in one text entry (tag/texts)
+            for tag, clips in event.audio.items():
+                clips = clips[:self.options.audio_clips]
+                for n, clip in enumerate(clips):
+                    samples, rate = _read_wav(clip.path)
+                    self.writer.add_audio(f"{tag}/{n}", samples[None], event.step, sample_rate=rate)
+                self.writer.add_text(f"{tag}/texts", "\n\n".join(f"{n}: {c.caption}" for n, c in enumerate(clips)),
+                                     event.step)
         self.writer.flush()  # watchable while the run goes on, and little is lost if it is killed
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _read_wav(path: Path) -> tuple[Any, int]:
+    """A 16-bit PCM mono WAV file (as the run directory keeps speech) as float32 samples in [-1, 1] and its rate."""
+    import wave
+
+    import numpy as np
+
+    with wave.open(str(path), "rb") as wav:
+        if wav.getsampwidth() != 2 or wav.getnchannels() != 1:
+            raise ValueError(f"{path}: not 16-bit PCM mono ({8 * wav.getsampwidth()}-bit, {wav.getnchannels()} "
+                             "channels)")
+        pcm = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
+        return pcm.astype(np.float32) / 32768.0, wav.getframerate()
 
 
 def _yaml(config: dict[str, Any]) -> str:

@@ -47,3 +47,53 @@ def test_options_turn_images_and_histograms_off(tmp_path: Path):
     tracker.close()
     tags = _events(tmp_path / "tb").Tags()
     assert tags["scalars"] == ["a"] and tags["images"] == [] and tags["histograms"] == []
+
+
+def _speech_files(folder: Path, count: int) -> list:
+    """``count`` WAV files of tones of different pitch and length, as the run directory keeps speech."""
+    import torch
+
+    from omnirl_core.contracts.data import Speech
+    from omnirl_core.loop.trackers import AudioClip
+    from omnirl_core.rundir.audio import write_wav
+
+    folder.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for n in range(count):
+        t = torch.arange(2400 + 800 * n) / 24000
+        speech = Speech(0.5 * torch.sin(2 * torch.pi * (220 + 110 * n) * t), 24000, f"Room {n} is on the 2nd floor.")
+        clips.append(AudioClip(write_wav(folder / f"{n:03d}.wav", speech), f"{speech.text} (reward 0.{n}00)"))
+    return clips
+
+
+def test_speech_samples_are_logged_as_audio_with_their_texts(tmp_path: Path):
+    import io
+    import wave
+
+    import numpy as np
+    from omnirl_plugin_tensorboard.tracker import _read_wav
+
+    clips = _speech_files(tmp_path / "samples" / "step-000001", 3)
+    tracker = TensorBoardTracker(TensorBoardOptions(audio_clips=2))
+    tracker.start(TrackerRun(tmp_path, "run", {}, start_step=1))
+    tracker.log(StepEvent(step=1, metrics={"reward/mean": 0.5}, audio={"samples": clips}))
+    tracker.log(StepEvent(step=2, metrics={"reward/mean": 0.6}))  # a step that saved no samples logs none
+    tracker.close()
+    acc = _events(tmp_path / "tensorboard")
+    assert sorted(acc.Tags()["audio"]) == ["samples/0", "samples/1"]  # audio_clips=2 of the 3
+    for n in range(2):
+        [event] = acc.Audio(f"samples/{n}")
+        assert event.step == 1 and event.sample_rate == 24000 and event.content_type == "audio/wav"
+        with wave.open(io.BytesIO(event.encoded_audio_string)) as logged:
+            assert logged.getframerate() == 24000 and logged.getnframes() == 2400 + 800 * n
+            pcm = np.frombuffer(logged.readframes(logged.getnframes()), dtype="<i2") / 32768.0
+        source, _ = _read_wav(clips[n].path)
+        assert np.abs(pcm - source).max() <= 2 / 32768  # the same sound, to the last bit of 16-bit PCM or so
+    [text] = acc.Tensors("samples/texts/text_summary")
+    assert text.tensor_proto.string_val[0].decode() == ("0: Room 0 is on the 2nd floor. (reward 0.000)\n\n"
+                                                        "1: Room 1 is on the 2nd floor. (reward 0.100)")
+    off = TensorBoardTracker(TensorBoardOptions(audio=False, log_dir=str(tmp_path / "off")))
+    off.start(TrackerRun(tmp_path, "run", {}, start_step=1))
+    off.log(StepEvent(step=1, metrics={"a": 1.0}, audio={"samples": clips}))
+    off.close()
+    assert _events(tmp_path / "off").Tags()["audio"] == []

@@ -33,6 +33,10 @@ class WandbOptions(BaseModel):
     tags: list[str] = Field(default_factory=list, description="Tags of the W&B run.")
     images: bool = Field(True, description="Log the sample grids (and evaluation grids) as images.")
     histograms: bool = Field(True, description="Log each step's per-sample rewards as histograms.")
+    audio: bool = Field(True, description="Log the speech samples (and evaluation samples) as audio, captioned "
+                        "with their texts.")
+    audio_clips: int = Field(8, ge=1, description="Speech samples logged per tag and step (the first ones: the "
+                             "first prompt's group).")
 
 
 class WandbTracker(Tracker):
@@ -67,6 +71,10 @@ class WandbTracker(Tracker):
                 finite = [v for v in values if math.isfinite(v)]
                 if finite:
                     data[f"hist/{tag}"] = wandb.Histogram(finite)
+        if self.options.audio:  # the WAV files as they are (wandb copies them into the run's media), a key each:
+            for tag, clips in event.audio.items():  # a list under one key would need the soundfile package
+                for n, clip in enumerate(clips[:self.options.audio_clips]):
+                    data[f"{tag}/{n}"] = wandb.Audio(str(clip.path), caption=clip.caption)
         self.run.log(data, step=event.step)
 
     def close(self) -> None:

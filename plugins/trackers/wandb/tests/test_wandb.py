@@ -29,3 +29,74 @@ def test_an_offline_run_writes_its_files_and_a_resume_keeps_the_run_id(tmp_path:
     [file] = runs[0].glob(f"run-{run_id}.wandb")
     assert file.read_bytes()[:4] == b":W&B" and file.stat().st_size > 1000
     assert list((runs[0] / "files" / "media" / "images").glob("samples_*.png"))
+
+
+def test_speech_samples_are_logged_as_audio_files_with_their_captions(tmp_path: Path, monkeypatch):
+    import torch
+
+    from omnirl_core.contracts.data import Speech
+    from omnirl_core.loop.trackers import AudioClip
+    from omnirl_core.rundir.audio import write_wav
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    folder = tmp_path / "samples" / "step-000001"
+    folder.mkdir(parents=True)
+    clips = []
+    for n in range(3):
+        t = torch.arange(2400 + 800 * n) / 24000
+        speech = Speech(0.5 * torch.sin(2 * torch.pi * (220 + 110 * n) * t), 24000, f"Gate {n}, Ms. Lee.")
+        clips.append(AudioClip(write_wav(folder / f"{n:03d}.wav", speech), f"Gate {n}, Ms. Lee. (reward 0.{n}00)"))
+    tracker = WandbTracker(WandbOptions(mode="offline", project="omnirl-test", audio_clips=2))
+    tracker.start(TrackerRun(tmp_path, "run", {}, start_step=1))
+    tracker.log(StepEvent(step=1, metrics={"reward/mean": 0.5}, audio={"samples": clips}))
+    tracker.close()
+    [run] = (tmp_path / "wandb").glob("offline-run-*")
+    logged = sorted((run / "files" / "media" / "audio").rglob("*.wav"))
+    assert len(logged) == 2  # audio_clips=2 of the 3
+    # wandb keeps the files as they are: each logged file is one of the first two clips, byte for byte
+    assert sorted(f.read_bytes() for f in logged) == sorted(c.path.read_bytes() for c in clips[:2])
+    [file] = run.glob("run-*.wandb")
+    [history] = [r.history for r in _records(file) if r.WhichOneof("record_type") == "history"]
+    row: dict = {}  # a logged object's fields come as items of their own: nested_key = (key, field)
+    for item in history.item:
+        path = [item.key] if item.key else list(item.nested_key)
+        if len(path) == 1:
+            row[path[0]] = json.loads(item.value_json)
+        else:
+            row.setdefault(path[0], {})[path[1]] = json.loads(item.value_json)
+    assert row["_step"] == 1 and "samples/2" not in row
+    for n in range(2):
+        entry = row[f"samples/{n}"]
+        assert entry["_type"] == "audio-file" and entry["caption"] == f"Gate {n}, Ms. Lee. (reward 0.{n}00)"
+        assert (run / "files" / entry["path"]).read_bytes() == clips[n].path.read_bytes()
+
+
+def _records(path: Path) -> list:
+    """The protobuf records of a W&B run file (``run-*.wandb``: 32 KiB blocks of chunks, each with a 7-byte header:
+    CRC-32, length, kind 1 whole / 2 first / 3 middle / 4 last), each chunk's checksum verified."""
+    import struct
+    import zlib
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"bad checksum at {pos}"
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records

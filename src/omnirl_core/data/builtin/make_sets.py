@@ -11,6 +11,10 @@ reward knows, one per prompt (except ``composition``, which names two, the first
 source picture (``image``: a shape of another colour on a neutral background, ``edits/NNNN.png``) and the mask of
 the region the edit may change (``mask``: the shape, a little dilated); the instruction names only the target
 colour (``color``), so a colour reward can read it from the text.
+
+``speech`` is a set of texts to speak (text to speech: the prompt is what is said): short sentences with numbers
+(counts, times, dates, years, ordinals, percentages), names and places, and punctuation (questions, exclamations,
+commas, abbreviations), 15 - 29 letters and digits each (1.2 - 2.4 s at 12 a second; ``kind``: the template).
 """
 
 from __future__ import annotations
@@ -181,7 +185,46 @@ def draw_edit(record: dict) -> tuple[Any, Any]:
     return image, mask
 
 
-SETS = {"colors": colors, "text": text, "counting": counting, "composition": composition, "edits": edits}
+FIRST_NAMES = [
+    "Anna", "Ben", "Carlos", "Dana", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Keiko", "Liam", "Maya",
+    "Noah", "Olga", "Priya", "Rosa", "Sam", "Tariq", "Uma", "Victor", "Wen", "Yusuf", "Zoe",
+]
+SURNAMES = ["Brown", "Smith", "Lee", "Garcia", "Okafor", "Novak", "Tanaka", "Silva", "Khan", "Meyer"]
+TITLES = ["Mr.", "Ms.", "Dr."]
+PLACES = ["Paris", "Lisbon", "Cairo", "Oslo", "Tokyo", "Lima", "Nairobi", "Seoul", "Berlin", "Toronto", "Dublin",
+          "Quito"]
+ITEMS = ["apples", "tickets", "books", "chairs", "eggs", "lemons", "cups", "pens", "maps", "stamps"]
+MONTHS = ["January", "March", "April", "May", "June", "July", "August", "October"]
+DAYS = ["Monday", "Tuesday", "Friday", "Sunday"]
+ORDINAL_WORDS = {1: "1st", 2: "2nd", 3: "3rd", 4: "4th", 5: "5th", 6: "6th", 7: "7th", 8: "8th", 9: "9th"}
+SPEECH_TEMPLATES: dict[str, Any] = {
+    "greeting": lambda r: f"Hello, my name is {r.choice(FIRST_NAMES)}.",
+    "count": lambda r: f"{r.choice(FIRST_NAMES)} bought {r.randint(2, 40)} {r.choice(ITEMS)}.",
+    "time": lambda r: f"The train to {r.choice(PLACES)} leaves at {r.randint(1, 12)}:{r.choice(range(5, 60, 5)):02d}.",
+    "date": lambda r: f"{r.choice(FIRST_NAMES)} was born on {r.choice(MONTHS)} {r.randint(1, 28)}, {r.randint(1950, 2019)}.",
+    "question": lambda r: f"Is {r.choice(FIRST_NAMES)} in {r.choice(PLACES)} on {r.choice(DAYS)}?",
+    "sum": lambda r: f"How much is {r.randint(2, 19)} plus {r.randint(2, 19)}?",
+    "title": lambda r: f"Good morning, {r.choice(TITLES)} {r.choice(SURNAMES)}!",
+    "floor": lambda r: f"Room {r.randint(10, 99)} is on the {ORDINAL_WORDS[r.randint(1, 9)]} floor.",
+    "percent": lambda r: f"About {r.choice(range(10, 100, 5))}% of us voted yes.",
+    "distance": lambda r: f"We walked {r.randint(2, 30)} miles to {r.choice(PLACES)}.",
+    "score": lambda r: f"The score was {r.randint(0, 9)} to {r.randint(0, 9)}, {r.choice(FIRST_NAMES)}!",
+    "gate": lambda r: f"Please go to gate {r.randint(1, 60)}, {r.choice(TITLES)} {r.choice(SURNAMES)}.",
+}
+SPEECH_PER_TEMPLATE = 26
+
+
+def speech() -> list[dict]:
+    rng = random.Random(6)
+    out: list[dict] = []
+    for _ in range(SPEECH_PER_TEMPLATE):  # the kinds interleaved: the first prompts of either split mix them
+        for kind, template in SPEECH_TEMPLATES.items():
+            out.append({"prompt": template(rng), "kind": kind})
+    return out
+
+
+SETS = {"colors": colors, "text": text, "counting": counting, "composition": composition, "edits": edits,
+        "speech": speech}
 
 
 def render(name: str) -> str:
