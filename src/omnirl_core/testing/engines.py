@@ -21,7 +21,24 @@ import math
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from omnirl_core.config import TrainSection
+    from omnirl_core.contracts import (
+        Conditioning,
+        FlowModel,
+        GenRequest,
+        PolicyModel,
+        RolloutEngine,
+        Sample,
+        TokenModel,
+        TrainEngine,
+        TrainingUnit,
+    )
+    from omnirl_core.flow.policy_gradient import FlowPolicyGradientOptions, Transition
 
 PROMPTS = ("a red square", "a blue car on a long street under a grey sky, photo", "cat")
 """Prompts of different lengths: their conditioning is padded (and masked) differently when batched."""
@@ -30,7 +47,7 @@ LOGPROB_ATOL = 1e-5
 """Rollout vs trainer log-probs (fp32, unchanged weights): the same numbers up to the rounding of batched calls."""
 
 
-def toy_flow_model(seed: int = 0, lora: bool = True, need_reference: bool = True) -> Any:
+def toy_flow_model(seed: int = 0, lora: bool = True, need_reference: bool = True) -> FlowModel:
     """The suites' default model: ``ToyFlowModel`` set up for training as a run does (a LoRA adapter of rank 4,
     or the whole denoiser, and a reference policy), its adapter initialised from ``seed``; its trained weights
     save and load as a Qwen-Image pipeline's (its denoiser is Qwen-Image's transformer; the toy has no pipeline)."""
@@ -40,7 +57,7 @@ def toy_flow_model(seed: int = 0, lora: bool = True, need_reference: bool = True
     from omnirl_core.testing.flow_toy import ToyFlowModel
 
     class SavableToyFlowModel(ToyFlowModel):
-        def save_trained(self, directory: Path, state: dict[str, Any] | None = None) -> list[str]:
+        def save_trained(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
             if self.lora is None:  # the denoiser's save_pretrained: no pipeline needed
                 return super().save_trained(directory, state)
             from diffusers import QwenImagePipeline
@@ -61,25 +78,26 @@ def toy_flow_model(seed: int = 0, lora: bool = True, need_reference: bool = True
 
 # -- rollout ---------------------------------------------------------------------------------------------
 
-def check_rollout_engine(build_engine: Callable[[Any], Any], model: Any = None, *, height: int = 32,
-                         width: int = 32, num_frames: int | None = None, num_steps: int = 3, eta: float = 0.7,
-                         guidance_scale: float = 4.0, prompts: Sequence[str] = PROMPTS,
-                         logprob_atol: float = LOGPROB_ATOL) -> list[Any]:
+def check_rollout_engine(build_engine: Callable[[Any], RolloutEngine], model: PolicyModel | None = None, *,
+                         height: int = 32, width: int = 32, num_frames: int | None = None, num_steps: int = 3,
+                         eta: float = 0.7, guidance_scale: float = 4.0, prompts: Sequence[str] = PROMPTS,
+                         logprob_atol: float = LOGPROB_ATOL) -> list[Sample]:
     """The rollout-engine contract (``omnirl_core.contracts.RolloutEngine``) on ``model`` (default: the toy flow
     model). ``build_engine(model)`` returns the engine, as its spec's factory would with the plugin's options and
     device. Dispatches on the model's kind: ``check_flow_rollout`` or ``check_token_rollout``. Returns the
     samples of the first ``generate`` call, in request order."""
-    from omnirl_core.contracts import TokenModel
+    from omnirl_core.contracts import FlowModel, TokenModel
 
     model = toy_flow_model() if model is None else model
     if isinstance(model, TokenModel):
         return check_token_rollout(build_engine, model, prompts=prompts, logprob_atol=logprob_atol)
+    assert isinstance(model, FlowModel), f"{type(model).__name__} is neither a FlowModel nor a TokenModel"
     return check_flow_rollout(build_engine, model, height=height, width=width, num_frames=num_frames,
                               num_steps=num_steps, eta=eta, guidance_scale=guidance_scale, prompts=prompts,
                               logprob_atol=logprob_atol)
 
 
-def _generate(engine: Any, requests: list[Any]) -> list[Any]:
+def _generate(engine: RolloutEngine, requests: list[GenRequest]) -> list[Sample]:
     """Every request's sample, in request order: exactly one each, with the request attached (any order out)."""
     samples = list(engine.generate([copy.deepcopy(r) for r in requests]))
     uids = [s.request.uid for s in samples]
@@ -91,7 +109,15 @@ def _generate(engine: Any, requests: list[Any]) -> list[Any]:
     return [by_uid[r.uid] for r in requests]
 
 
-def _same_conditioning(stored: Any, fresh: Any, what: str) -> None:
+def _tensor(value: object, what: str) -> torch.Tensor:
+    """``value``, which must be a tensor (a trajectory field of the sample's kind)."""
+    import torch
+
+    assert isinstance(value, torch.Tensor), f"{what} is {type(value).__name__}, not a tensor"
+    return value
+
+
+def _same_conditioning(stored: Conditioning | None, fresh: Conditioning, what: str) -> None:
     """``stored`` (one row, possibly padded or trimmed differently) holds the tensors of ``fresh``: equal where both
     have positions, zeros ("not a token") where only one has them."""
     import torch
@@ -112,7 +138,7 @@ def _same_conditioning(stored: Any, fresh: Any, what: str) -> None:
 
 
 def _flow_requests(prompts: Sequence[str], height: int, width: int, num_frames: int | None, num_steps: int,
-                   eta: float, guidance_scale: float) -> list[Any]:
+                   eta: float, guidance_scale: float) -> list[GenRequest]:
     """Two plans (Flow-SDE and CPS on all but the last step, an ODE last step), two latent shapes, guided and
     unguided requests, prompts of different lengths, two samples of one prompt with different seeds."""
     from omnirl_core.contracts import GenRequest, RolloutPlan
@@ -129,10 +155,10 @@ def _flow_requests(prompts: Sequence[str], height: int, width: int, num_frames: 
             for uid, (p, group, seed, scale, plan, w) in enumerate(specs)]
 
 
-def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height: int = 32, width: int = 32,
-                       num_frames: int | None = None, num_steps: int = 3, eta: float = 0.7,
+def check_flow_rollout(build_engine: Callable[[FlowModel], RolloutEngine], model: FlowModel, *, height: int = 32,
+                       width: int = 32, num_frames: int | None = None, num_steps: int = 3, eta: float = 0.7,
                        guidance_scale: float = 4.0, prompts: Sequence[str] = PROMPTS,
-                       logprob_atol: float = LOGPROB_ATOL) -> list[Any]:
+                       logprob_atol: float = LOGPROB_ATOL) -> list[Sample]:
     """A flow model's rollout engine: one sample per request with its request (any order); outputs of the
     request's size in [0, 1], the decoding of the final latent; the trajectory (latents (T + 1, *latent_shape),
     the model's sigmas for the plan, log-probs finite on the trained steps and NaN on
@@ -166,7 +192,9 @@ def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height
         expected = (3, r.height, r.width) if r.num_frames is None else (3, r.num_frames, r.height, r.width)
         assert tuple(out.shape) == expected, f"{what}: output shape {tuple(out.shape)}, expected {expected}"
         assert float(out.min()) >= 0.0 and float(out.max()) <= 1.0, f"{what}: output outside [0, 1]"
-        latents, sigmas, logprobs = s.latents, s.sigmas, s.logprobs
+        latents = _tensor(s.latents, f"{what}: latents")
+        sigmas = _tensor(s.sigmas, f"{what}: sigmas")
+        logprobs = _tensor(s.logprobs, f"{what}: log-probs")
         assert latents.dtype == torch.float32 and tuple(latents.shape) == (r.plan.num_steps + 1, *shape), \
             f"{what}: latents {latents.dtype} {tuple(latents.shape)}, expected fp32 {(r.plan.num_steps + 1, *shape)}"
         assert bool(torch.isfinite(latents).all()), f"{what}: non-finite latents"
@@ -195,15 +223,17 @@ def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height
         first = samples[uid]
         torch.testing.assert_close(s.latents, first.latents, atol=1e-5, rtol=0,
                                    msg=lambda m, uid=uid: f"sample {uid} generated twice differs: {m}")  # type: ignore[misc, unused-ignore]  # mypy: lambda default
-        assert torch.equal(s.logprobs.isnan(), first.logprobs.isnan())
-        torch.testing.assert_close(s.logprobs.nan_to_num(), first.logprobs.nan_to_num(), atol=logprob_atol, rtol=0)
+        lp, first_lp = _tensor(s.logprobs, f"sample {uid}: log-probs"), _tensor(first.logprobs, "log-probs")
+        assert torch.equal(lp.isnan(), first_lp.isnan())
+        torch.testing.assert_close(lp.nan_to_num(), first_lp.nan_to_num(), atol=logprob_atol, rtol=0)
         torch.testing.assert_close(s.output, first.output, atol=1e-4, rtol=0)
     # uids 0 and 1: one prompt, two seeds
-    assert float((samples[0].latents[-1] - samples[1].latents[-1]).abs().max()) > 1e-3, \
+    last = [_tensor(samples[i].latents, "latents")[-1] for i in (0, 1)]
+    assert float((last[0] - last[1]).abs().max()) > 1e-3, \
         "two seeds of one prompt gave the same sample: the request's seed is not used"
 
     units = [Transition(s, j) for s in samples for j in s.request.plan.train_steps]
-    groups: dict[tuple[Any, ...], list[Any]] = {}
+    groups: dict[tuple[int, int, float, str, float], list[Transition]] = {}
     for u in units:  # the trainer's calls: one latent shape, guidance scale, sampler and eta each
         r = u.sample.request
         groups.setdefault((r.height, r.width, r.guidance_scale, u.kind, r.plan.eta), []).append(u)
@@ -220,8 +250,9 @@ def check_flow_rollout(build_engine: Callable[[Any], Any], model: Any, *, height
     return samples
 
 
-def check_token_rollout(build_engine: Callable[[Any], Any], model: Any, *, prompts: Sequence[str] = PROMPTS,
-                        group_size: int = 2, logprob_atol: float = LOGPROB_ATOL) -> list[Any]:
+def check_token_rollout(build_engine: Callable[[TokenModel], RolloutEngine], model: TokenModel, *,
+                        prompts: Sequence[str] = PROMPTS, group_size: int = 2,
+                        logprob_atol: float = LOGPROB_ATOL) -> list[Sample]:
     """A token model's rollout engine: one sample per request with its request (any order); the trajectory of
     its kind (``prompt_tokens`` the request's prompt, ``completion`` 1-D token ids within the sampling's
     ``max_new_tokens``, ``sampling``, one finite log-prob <= 0 per token, no latents) and the text the completion
@@ -245,6 +276,7 @@ def check_token_rollout(build_engine: Callable[[Any], Any], model: Any, *, promp
         again = {s.request.uid: s for s in _generate(engine, [requests[-1], requests[1]])}
     finally:
         engine.close()
+    trajectories: dict[int, tuple[TokenPrompt, torch.Tensor, SamplingParams, torch.Tensor]] = {}
     for r, s in zip(requests, samples):
         what = f"sample {r.uid}"
         assert s.latents is None and s.sigmas is None, f"{what}: a token sample with latents or sigmas"
@@ -252,25 +284,25 @@ def check_token_rollout(build_engine: Callable[[Any], Any], model: Any, *, promp
         assert torch.equal(s.prompt_tokens.input_ids.cpu(), model.encode_prompt(r).input_ids.cpu()), \
             f"{what}: prompt_tokens are not the request's prompt"
         assert isinstance(s.sampling, SamplingParams), f"{what}: sampling is {type(s.sampling)}"
-        c = s.completion
-        assert torch.is_tensor(c) and c.dtype == torch.long and c.dim() == 1, f"{what}: completion {c}"
+        c = _tensor(s.completion, f"{what}: completion")
+        assert c.dtype == torch.long and c.dim() == 1, f"{what}: completion {c}"
         assert 1 <= len(c) <= s.sampling.max_new_tokens, f"{what}: {len(c)} tokens"
-        lp = s.logprobs
+        lp = _tensor(s.logprobs, f"{what}: log-probs")
         assert lp.dtype == torch.float32 and lp.shape == c.shape, f"{what}: log-probs {lp.dtype} {tuple(lp.shape)}"
-        assert bool(torch.isfinite(lp).all()) and bool((lp <= 0).all()), f"{what}: log-probs {lp}"
+        assert bool(torch.isfinite(lp).all()) and bool(lp.le(0).all()), f"{what}: log-probs {lp}"
         assert s.output == model.decode(c), f"{what}: the output is not the completion's text"
+        trajectories[r.uid] = (s.prompt_tokens, c, s.sampling, lp)
     for uid, s in again.items():
-        first = next(x for x in samples if x.request.uid == uid)
-        assert torch.equal(s.completion, first.completion), f"sample {uid} generated twice differs"
-        torch.testing.assert_close(s.logprobs, first.logprobs, atol=logprob_atol, rtol=0)
-    pairs = [(samples[i], samples[i + 1]) for i in range(0, len(samples) - 1, group_size)]
-    assert any(not torch.equal(a.completion, b.completion) for a, b in pairs), \
+        assert torch.equal(_tensor(s.completion, "completion"), trajectories[uid][1]), \
+            f"sample {uid} generated twice differs"
+        torch.testing.assert_close(s.logprobs, trajectories[uid][3], atol=logprob_atol, rtol=0)
+    pairs = [(requests[i].uid, requests[i + 1].uid) for i in range(0, len(requests) - 1, group_size)]
+    assert any(not torch.equal(trajectories[a][1], trajectories[b][1]) for a, b in pairs), \
         "every prompt's samples are the same: the request's seed is not used"
-    order = samples[::-1]
+    order = [trajectories[r.uid] for r in reversed(requests)]
     with torch.no_grad():
-        rescored = model.token_logprobs([s.prompt_tokens for s in order], [s.completion for s in order],
-                                        [s.sampling for s in order])
-    worst = max(float((a.float().cpu() - s.logprobs).abs().max()) for a, s in zip(rescored, order))
+        rescored = model.token_logprobs([t[0] for t in order], [t[1] for t in order], [t[2] for t in order])
+    worst = max(float((a.float().cpu() - t[3]).abs().max()) for a, t in zip(rescored, order))
     assert worst <= logprob_atol, f"the trainer's log-probs differ from the sampled ones by {worst} (> {logprob_atol})"
     return samples
 
@@ -306,23 +338,24 @@ def _token_algorithm_class() -> type:
     return SmallGSPO
 
 
-def _options(beta: float) -> Any:
-    from types import SimpleNamespace
+def _options(beta: float) -> FlowPolicyGradientOptions:
+    """The five options the policy-gradient base classes read (the token one reads the same names)."""
+    from omnirl_core.flow.policy_gradient import FlowPolicyGradientOptions
 
-    return SimpleNamespace(noise_level=0.7, clip_range=0.2, beta=beta, adv_clip=5.0, global_std=False)
+    return FlowPolicyGradientOptions(noise_level=0.7, clip_range=0.2, beta=beta, adv_clip=5.0, global_std=False)
 
 
-def _local(t: Any) -> Any:
+def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor as this process holds it (a DTensor's local shard)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _dense(t: Any) -> Any:
+def _dense(t: torch.Tensor) -> torch.Tensor:
     """A whole tensor (a DTensor gathered: a collective, every rank calls it in the same order)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _assert_same_state(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
+def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     import torch
 
     assert a.keys() == b.keys(), f"{what}: other keys: {sorted(set(a) ^ set(b))[:5]}"
@@ -331,15 +364,16 @@ def _assert_same_state(a: dict[str, Any], b: dict[str, Any], what: str) -> None:
             f"{what}: '{key}' differs by {float((value.float() - b[key].float()).abs().max())}"
 
 
-def _optimizer_tensors(optimizer: Any) -> dict[str, Any]:
-    out = {}
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    out: dict[str, object] = {}
     for index, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         for key, value in optimizer.state.get(param, {}).items():
             out[f"{index}.{key}"] = _local(value).detach().cpu() if hasattr(value, "detach") else value
     return out
 
 
-def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Callable[[], Any] | None = None, *,
+def check_train_engine(build_engine: Callable[[Any, TrainSection], TrainEngine],
+                       build_model: Callable[[], PolicyModel] | None = None, *,
                        directory: str | Path | None = None, rank: int | None = None, height: int = 16,
                        width: int = 16, num_steps: int = 3, groups: int = 2, group_size: int = 4,
                        guidance_scale: float = 4.0, beta: float = 0.01, lr: float = 1e-2,
@@ -362,7 +396,7 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
     import torch
 
     from omnirl_core.config import RunConfig
-    from omnirl_core.contracts import TokenModel, TrainEngine
+    from omnirl_core.contracts import FlowModel, TokenModel, TrainEngine
     from omnirl_core.testing import _requests, rollout
 
     build_model = build_model or toy_flow_model
@@ -379,11 +413,12 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
     algorithm = _token_algorithm_class() if token else _algorithm_class()
     controller = algorithm(_options(beta), config)
 
-    def step_units(model: Any, step: int) -> list[Any]:
+    def step_units(model: PolicyModel, step: int) -> list[Sample]:
         """A rollout of ``groups`` prompts x ``group_size`` samples by ``model``, rewarded by brightness (tokens:
         by the length of the completion's text)."""
-        if token:
+        if isinstance(model, TokenModel):
             return token_units(model, step)
+        assert isinstance(model, FlowModel), f"{type(model).__name__} is neither a FlowModel nor a TokenModel"
         plan = controller.plan(step)
         scale = guidance_scale if model.guidance != "none" else 1.0
         requests = []
@@ -401,15 +436,16 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
         controller.assign_advantages(samples)
         return samples
 
-    def token_units(model: Any, step: int) -> list[Any]:
+    def token_units(model: TokenModel, step: int) -> list[Sample]:
         from omnirl_core.ar.model import CausalLMPolicy
         from omnirl_core.ar.policy_gradient import AR_PLAN
         from omnirl_core.ar.sampling import SamplingParams
         from omnirl_core.contracts import GenRequest
         from omnirl_core.testing import ar_rollout
 
-        stop = model.stop_token_ids if isinstance(model, CausalLMPolicy) else ()
-        params = SamplingParams(max_new_tokens=3, stop_token_ids=stop)
+        assert isinstance(model, CausalLMPolicy), \
+            f"the token suite samples with ar_rollout, which takes a CausalLMPolicy, not a {type(model).__name__}"
+        params = SamplingParams(max_new_tokens=3, stop_token_ids=model.stop_token_ids)
         requests = [GenRequest(uid=g * group_size + k, prompt=PROMPTS[g % len(PROMPTS)], prompt_index=g, group=g,
                                seed=100 * step + 10 * g + k, height=0, width=0, plan=AR_PLAN)
                     for g in range(groups) for k in range(group_size)]
@@ -420,7 +456,7 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
         controller.assign_advantages(samples)
         return samples
 
-    def units(samples: list[Any]) -> list[Any]:
+    def units(samples: list[Sample]) -> list[TrainingUnit]:
         return controller.training_units(copy.deepcopy(samples))
 
     engine = build_engine(model, train)
@@ -470,8 +506,12 @@ def check_train_engine(build_engine: Callable[[Any, Any], Any], build_model: Cal
         saved, loaded = _optimizer_tensors(engine.optimizer), _optimizer_tensors(fresh.optimizer)
         assert saved, "the optimizer holds no state after an update"
         assert saved.keys() == loaded.keys(), f"optimizer state after load_state: {sorted(set(saved) ^ set(loaded))}"
-        for key, value in saved.items():
-            same = torch.equal(value, loaded[key]) if torch.is_tensor(value) else value == loaded[key]
+        for key, mine in saved.items():
+            theirs = loaded[key]
+            if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+                same = torch.equal(mine, theirs)
+            else:
+                same = mine == theirs
             assert same, f"optimizer state '{key}' differs after load_state"
         for group, other in zip(engine.optimizer.param_groups, fresh.optimizer.param_groups):
             hyper = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "params"}

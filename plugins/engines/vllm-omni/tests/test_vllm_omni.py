@@ -93,6 +93,17 @@ def trainer_logprob_delta(model, samples: list[Sample]) -> float:
     return worst
 
 
+def test_the_rollout_engine_contract(model):
+    """The core's rollout-engine suite (``check_rollout_engine``) on the tiny Qwen-Image preset (the engine loads
+    the model's pipeline directory, so not on the core's toy model): one sample per request with its request,
+    two plans, two latent shapes, guided and unguided requests, the trajectory and conditioning, each request the
+    same in other company, and the trainer's re-evaluation within 1e-5."""
+    from omnirl_core.testing.engines import check_rollout_engine
+
+    samples = check_rollout_engine(lambda m: engine(m), model)
+    assert len(samples) == 6
+
+
 def test_samples_equal_the_diffusers_engines(model):
     """Same requests and seeds through both engines: every plan kind, sigma subsets, shared initial noise."""
     requests = requests_for(PLANS) + requests_for(PLANS[:1] * 2, shared_noise=True)

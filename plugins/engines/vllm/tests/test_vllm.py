@@ -70,6 +70,16 @@ def trainer_delta(model, samples) -> float:
     return max(float((s.logprobs - o).abs().max()) for s, o in zip(samples, ours))
 
 
+def test_the_rollout_engine_contract(model):
+    """The core's rollout-engine suite (``check_rollout_engine`` with a token model): one sample per request with
+    its request, the token trajectory, each request the same in other company (its own seed: vLLM's per-request
+    generator), two seeds two completions, and the trainer's re-scoring within 1e-5."""
+    from omnirl_core.testing.engines import check_rollout_engine
+
+    samples = check_rollout_engine(lambda m: engine(m), model)
+    assert len(samples) == 6 and all(s.completion.numel() >= 1 for s in samples)
+
+
 SAMPLING = {
     "plain": {},
     "temperature-topk-topp": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
