@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
@@ -60,7 +61,7 @@ HINT_413 = ("the server's --max-body-mb; send fewer samples per request (the rem
             "it")
 
 
-def body_length(headers: Any, limit: int, hint: str = HINT_413) -> int:
+def body_length(headers: Message, limit: int, hint: str = HINT_413) -> int:
     """The length of a request's body from its headers: one ``Content-Length`` of at most ``limit`` bytes;
     raises BodyError (411 without one or with a chunked body, 400 for a malformed one, 413 over the limit, the
     message ending with ``hint``)."""
@@ -80,9 +81,13 @@ def body_length(headers: Any, limit: int, hint: str = HINT_413) -> int:
     return length
 
 
-def has_body(headers: Any) -> bool:
+def has_body(headers: Message) -> bool:
     """The request announces a body (one a handler that does not read it must close the connection over)."""
     return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() != "0"
+
+
+_Request = socket.socket | tuple[bytes, socket.socket]
+"""What socketserver hands a server per request (a TCP server's is the connection's socket)."""
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
@@ -102,7 +107,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, handler)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+    def process_request(self, request: _Request, client_address: tuple[str, int]) -> None:
         if not self._slots.acquire(blocking=False):
             self.refused += 1
             self._refuse(request)
@@ -113,27 +118,28 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._slots.release()
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def process_request_thread(self, request: _Request, client_address: tuple[str, int]) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
 
-    def _refuse(self, request: socket.socket) -> None:
+    def _refuse(self, request: _Request) -> None:
         body = json.dumps({"error": f"the server has {self.max_connections} connections open, its limit "
                                     "(--max-connections); retry later"}).encode()
+        conn = request if isinstance(request, socket.socket) else request[1]
         try:
-            request.settimeout(1.0)
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            request.setblocking(False)
-            while request.recv(1 << 16):  # what the client sent already: a close with unread data resets
+            conn.settimeout(1.0)
+            conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            conn.setblocking(False)
+            while conn.recv(1 << 16):  # what the client sent already: a close with unread data resets
                 pass
         except OSError:
             pass
         self.shutdown_request(request)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
+    def handle_error(self, request: _Request, client_address: tuple[str, int]) -> None:
         """A client that hangs up or stalls mid-reply is its own business (socketserver printed a traceback)."""
         import sys
 
