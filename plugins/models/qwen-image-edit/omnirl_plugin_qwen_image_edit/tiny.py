@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
+TINY_VERSION = 2  # bump when the tiny architecture changes (invalidates the on-disk cache)
 VARIANTS = {"edit-plus": "QwenImageEditPlusPipeline", "edit": "QwenImageEditPipeline"}
 TEXT_HIDDEN = 16
 # the tiny architecture, also what the memory planner builds on meta for the tiny preset (sizing.py)
@@ -46,6 +46,28 @@ def text_encoder_config(ids: dict[str, int], vocab: int) -> dict:
     }
 
 
+def normalise_encoder(vae, images: int = 32, size: int = 32) -> None:
+    """Rescale the VAE encoder's last (1 x 1) convolution so that its latents have zero mean and unit spread per
+    channel over blocky random-colour pictures: still random weights, only another init scale, as
+    ``widen_decoder_range`` does for the decoder.
+
+    A random encoder maps every picture to nearly the same latent (per channel an offset of about 0.3 and a spread
+    under 0.1), while the noisy tokens the transformer sees beside them are unit Gaussian: the edit's condition tokens
+    then barely differ between sources, and the model can neither see its source nor learn to keep it. A released
+    checkpoint's ``latents_mean`` / ``latents_std`` make its latents unit-scale; the tiny preset keeps 0 / 1 and makes
+    the encoder's output match them instead, so that decoding (already widened for unit latents) is unchanged."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.rand(images, 3, 4, 4, generator=generator) * 2 - 1
+    pictures = torch.nn.functional.interpolate(blocks, size=(size, size), mode="nearest").unsqueeze(2)
+    with torch.no_grad():
+        mu = vae.encode(pictures).latent_dist.mode()  # (N, C, 1, h, w): what the edit pipelines encode a source to
+        mean, std = mu.mean(dim=(0, 2, 3, 4)), mu.std(dim=(0, 2, 3, 4)).clamp_min(1e-6)
+        channels = mean.shape[0]  # the mean's rows of the (mean, log-variance) convolution
+        conv = vae.quant_conv
+        conv.weight[:channels] /= std.view(-1, 1, 1, 1, 1)
+        conv.bias[:channels] = (conv.bias[:channels] - mean) / std
+
+
 def build_tiny_pipeline(variant: str = "edit-plus", seed: int = 0, tokenizer=None):
     """A Qwen-Image-Edit(-Plus) pipeline with random weights: transformer 2 layers / 3 heads x 16, VAE z_dim 4 (x4
     spatial), text encoder hidden 16 / 2 layers with a 2-block vision tower and the full Qwen2 vocabulary."""
@@ -65,7 +87,9 @@ def build_tiny_pipeline(variant: str = "edit-plus", seed: int = 0, tokenizer=Non
     transformer = QwenImageTransformer2DModel(**TRANSFORMER)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(**VAE)
-    # a colour reward needs a decoder with dynamic range (see omnirl_core.presets.widen_decoder_range)
+    # a colour reward needs a decoder with dynamic range (see omnirl_core.presets.widen_decoder_range), an edit an
+    # encoder whose latents tell sources apart
+    normalise_encoder(vae)
     widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out,
                         (4, vae.config.z_dim, 1, 8, 8))
     torch.manual_seed(seed + 2)

@@ -168,3 +168,28 @@ def test_a_checkpoint_of_another_pipeline_is_refused(tiny_dir, tmp_path: Path):
     with pytest.raises(UsageError, match="no model_index.json"):
         load_pipeline(str(tmp_path / "nothing"), torch.float32)
 
+
+
+def test_the_tiny_encoder_tells_sources_apart_at_the_noisy_tokens_scale(loaded, tmp_path: Path):
+    """The tiny VAE's encoder is scaled so that sources encode to unit-scale condition tokens, like the unit Gaussian
+    noisy tokens beside them (a random encoder's latents sit at an offset with a spread near 0.07: every source then
+    looked alike to the transformer and the edit run could not learn to keep it). Sources: flat and two-colour
+    pictures of the builtin edits' colours, other pictures than the ones the scale was measured on."""
+    from omnirl_core.data.builtin.make_sets import RGB
+
+    colours = list(RGB.values())
+    paths = []
+    for k, background in enumerate(colours):
+        image = Image.new("RGB", (SIZE, SIZE), background)
+        image.paste(colours[(k + 3) % len(colours)], (8, 8, 24, 24))
+        paths.append(str(tmp_path / f"{k}.png"))
+        image.save(paths[-1])
+    model = loaded["edit-plus"]
+    latents = torch.cat([c.tensors["image_latents"] for c in model.encode_with_images(["p"] * len(paths),
+                                                                                      [(p,) for p in paths])])
+    channels = latents.view(len(paths), -1, model.latent_channels, 4).transpose(1, 2).flatten(2)  # (N, C, tokens*4)
+    std = channels.std(dim=(0, 2))
+    assert bool((std > 0.4).all() and (std < 2.5).all()), std
+    assert float(channels.mean(dim=(0, 2)).abs().max()) < 0.8, channels.mean(dim=(0, 2))
+    # sources differ by as much as the tokens vary: the spread across sources at each position is unit-scale too
+    assert float(latents.std(dim=0).mean()) > 0.3
