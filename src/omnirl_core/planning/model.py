@@ -69,15 +69,20 @@ class ModelSizing:
     "expert": (128, "experts")}``. A model without a ``tensor`` / ``expert`` entry cannot be planned under that
     kind of parallelism."""
     notes: list[str] = field(default_factory=list)
+    checkpointable: bool = True
+    """The trained network can recompute its activations (``model.options.gradient_checkpointing``); False where
+    the model refuses it, so the planner does not suggest it."""
     preset: str | None = None
     """The preset whose architecture this describes (``model.preset``, e.g. ``tiny``); None: the released
     full-size model. A sizing function that knows the configured preset's architecture sets it."""
 
 
-def lora_settings(config: RunConfig, default_targets: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
-    """(rank or None for full fine-tuning, targets) from ``config.model.lora``."""
+def lora_settings(config: RunConfig, default_targets: tuple[str, ...] | str
+                  ) -> tuple[int | None, tuple[str, ...] | str]:
+    """(rank or None for full fine-tuning, targets) from ``config.model.lora``; the model's default targets as it
+    declares them: module names, or one regex over whole module names (a token model's)."""
     lora = config.model.lora
-    targets = tuple(lora.target_modules) if lora.target_modules else tuple(default_targets)
+    targets = tuple(lora.target_modules) if lora.target_modules else default_targets
     return (lora.rank if lora.enabled else None), targets
 
 

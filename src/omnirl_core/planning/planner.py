@@ -475,7 +475,7 @@ def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | N
     if model_dtype(cfg) == "float32":
         out.append(("model.dtype=bfloat16", {"model": {"dtype": "bfloat16"}}))
     options = dump["model"]["options"] or {}
-    if "gradient_checkpointing" in options and not options["gradient_checkpointing"]:
+    if sizing.checkpointable and "gradient_checkpointing" in options and not options["gradient_checkpointing"]:
         out.append(("model.options.gradient_checkpointing=true", {"model": {"options": {"gradient_checkpointing": True}}}))
     if cfg.model.offload != "cpu" and sizing.encoders and device_type != "cpu":
         out.append(("model.offload=cpu", {"model": {"offload": "cpu"}}))

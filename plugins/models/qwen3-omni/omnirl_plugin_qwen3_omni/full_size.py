@@ -1,7 +1,8 @@
 """The released Qwen3-Omni-30B-A3B thinker at full size, built on the ``meta`` device from its published
 configuration (``thinker_config`` of Qwen/Qwen3-Omni-30B-A3B-Instruct: the MoE text decoder, the vision encoder,
 the AuT audio encoder), with no weights and no memory, to count parameters and plan memory before anything is
-downloaded. The talker and code2wav are never built by this plugin, so they are not here either.
+downloaded; and, for ``model.options.train=talker``, the whole model's talker (MoE decoder and code predictor) and
+code2wav from the same checkpoint's ``talker_config`` and ``code2wav_config``.
 
 A count is the number of elements of the tensors a checkpoint of the module holds (each parameter once, plus
 persistent buffers), so that it compares with a published size.
@@ -43,6 +44,39 @@ THINKER = {
     },
     "audio_token_id": 151675, "audio_start_token_id": 151669, "image_token_id": 151655, "video_token_id": 151656,
     "vision_start_token_id": 151652, "position_id_per_seconds": 13, "tie_word_embeddings": False,
+}
+
+
+# talker_config and code2wav_config of the same config.json (the Instruct checkpoint: the one with audio output)
+TALKER = {
+    "text_config": {
+        "vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 20,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 384,
+        "shared_expert_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 6, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "interleaved": True,
+                            "rope_theta": 1_000_000.0},
+    },
+    "code_predictor_config": {
+        "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "num_code_groups": 16,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    "num_code_groups": 16, "thinker_hidden_size": 2048, "accept_hidden_layer": 24, "spatial_merge_size": 2,
+    "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_pad_id": 2148, "codec_nothink_id": 2155,
+    "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+    "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+    "audio_token_id": 151675, "audio_start_token_id": 151669, "image_token_id": 151655, "video_token_id": 151656,
+    "vision_start_token_id": 151652, "position_id_per_seconds": 13, "tie_word_embeddings": False,
+}
+CODE2WAV = {
+    "codebook_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "num_quantizers": 16, "sliding_window": 72,
+    "max_position_embeddings": 8000, "rms_norm_eps": 1e-5, "layer_scale_initial_scale": 0.01, "decoder_dim": 1536,
+    "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "attention_bias": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
 
@@ -101,3 +135,20 @@ def memory_estimate(variant: str = "30b-a3b", lora_rank: int | None = 32, dtype_
     thinker = c["thinker"]
     return pipeline_training_bytes(c, ("thinker",), Qwen3OmniThinker.default_lora_targets, lora_rank, dtype_bytes,
                                    reference, skip=(thinker.model.visual, thinker.model.audio_tower))
+
+
+def full_size_speech(variant: str = "30b-a3b") -> dict[str, torch.nn.Module]:
+    """``{"talker": module, "code2wav": module}`` of the released whole model on ``meta`` (no storage)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2WavConfig,
+        Qwen3OmniMoeTalkerConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2Wav,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    check_variant("Qwen3-Omni", variant, VARIANTS)
+    with torch.device("meta"):
+        return {"talker": Qwen3OmniMoeTalkerForConditionalGeneration(Qwen3OmniMoeTalkerConfig(**TALKER)),
+                "code2wav": Qwen3OmniMoeCode2Wav(Qwen3OmniMoeCode2WavConfig(**CODE2WAV))}

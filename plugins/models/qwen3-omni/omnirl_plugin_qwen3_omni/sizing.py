@@ -2,24 +2,28 @@
 ``meta`` (the released 30B-A3B, or the tiny preset's when the run loads it); activations from the generic
 transformer estimate (the MoE's routing depends on the data, which a meta trace does not have), over prompt +
 completion tokens, plus the float32 logits of the LM head that the token log-probs need; and what tensor and expert
-parallelism split, read off the modules: the MoE experts, and the linear and embedding layers. See
+parallelism split, read off the modules: the MoE experts, and the linear and embedding layers. With
+``model.options.train=talker`` (``talker_sizing``) the whole model is loaded and its talker trained. See
 omnirl_core.planning."""
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 
 from omnirl_core.planning.model import ModelSizing, lora_settings
 from omnirl_core.planning.sizing import checkpoint_numel, trainable_numel
-from omnirl_plugin_qwen3_omni.full_size import full_size_components
+from omnirl_plugin_qwen3_omni.full_size import full_size_components, full_size_speech
 
 PROMPT_TOKENS = 512
 """Prompt tokens assumed per sequence (text and media placeholders); the completion adds max_new_tokens."""
 TINY_PROMPT_TOKENS = 128
 """The same for the tiny preset, whose runs use short text questions (answer-match's built-in ones)."""
+TALKER_PROMPT_TOKENS = 128
+"""The talker's prefix per sequence: the chat turn's text to speak (a sentence or two) and the codec prefix."""
 
 
 @functools.lru_cache(maxsize=2)
@@ -47,8 +51,75 @@ def parallel_counts(thinker: torch.nn.Module) -> tuple[int, int]:
     return experts, split
 
 
+@functools.lru_cache(maxsize=2)
+def _omni(tiny: bool) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """(thinker, talker, code2wav) of the whole model on meta: the released one, or the tiny preset's."""
+    if not tiny:
+        speech = full_size_speech()
+        return full_size_components()["thinker"], speech["talker"], speech["code2wav"]
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omnirl_plugin_qwen3_omni.tiny import tiny_omni_config
+
+    # placeholder special-token ids (the tokenizer's are not needed to count parameters)
+    roles = ("pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end")
+    with torch.device("meta"):
+        omni = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config({role: i for i, role in enumerate(roles)}))
+    return omni.thinker, omni.talker, omni.code2wav
+
+
+def talker_sizing(config: Any) -> ModelSizing:
+    """``model.options.train=talker``: the whole model held (the thinker frozen: its embeddings give the text the
+    talker speaks; code2wav turns frames into sound once per sample, without gradient), the talker trained (LoRA on
+    its and its code predictor's attention, or all of it). Activations: the generic estimate of the talker's decoder
+    over prefix + frames (``rollout.options.max_new_tokens`` frames); per sample, the float32 logits of every frame's
+    codebooks (the first from the talker's codec head, the K - 1 residual ones from the code predictor); the code
+    predictor's own layers, run per frame over its K positions, count as more decoder layers. No tensor or expert parallelism (the engines that
+    train the talker are data-parallel)."""
+    from omnirl_plugin_qwen3_omni.model import TALKER_PRESET
+    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
+
+    preset = config.model.preset if config.model.preset in ("tiny", TALKER_PRESET) else None
+    thinker, talker, code2wav = _omni(preset is not None)
+    rank, targets = lora_settings(config, Qwen3OmniTalker.default_lora_targets)
+    named = torch.nn.Module()
+    named.talker = talker  # the whole model's names (talker.model.layers...), which the LoRA targets match
+    text = talker.config.text_config
+    predictor = talker.config.code_predictor_config
+    groups = int(talker.config.num_code_groups)
+    frames = int((config.rollout.options or {}).get("max_new_tokens", 256))
+    prefix = TINY_PROMPT_TOKENS if preset else TALKER_PROMPT_TOKENS
+    logits = frames * (text.vocab_size + (groups - 1) * predictor.vocab_size) * 4
+    # the code predictor's layers, run per frame over its K positions, as decoder layers over the sequence's tokens
+    # of the talker's width (the generic estimate is linear in layers x tokens x width): what they keep for the
+    # backward, and nothing during the rollout (no gradient)
+    tokens = prefix + frames
+    predictor_layers = math.ceil(predictor.num_hidden_layers * groups * frames * predictor.hidden_size
+                                 / (tokens * text.hidden_size))
+    return ModelSizing(
+        components={"thinker": checkpoint_numel(thinker), "talker": checkpoint_numel(talker),
+                    "code2wav": checkpoint_numel(code2wav)},
+        trained=("talker",),
+        trainable=trainable_numel([named], targets, rank),
+        lora=rank is not None,
+        hidden=text.hidden_size,
+        layers=text.num_hidden_layers + predictor_layers,
+        tokens=tokens,
+        per_sample_bytes=logits,
+        largest_block=max(checkpoint_numel(b) for b in talker.model.layers),
+        checkpointable=False,  # the talker refuses gradient_checkpointing (model.py)
+        notes=[(f"talker: generic activation estimate over {prefix} prefix + {frames} frames per sequence "
+                f"({text.num_hidden_layers} talker layers + the code predictor's as {predictor_layers} more), with "
+                f"float32 logits of {groups} codebooks per frame")],
+        preset=preset,
+    )
+
+
 def sizing(config: Any, options: Any) -> ModelSizing:
     from omnirl_plugin_qwen3_omni.model import Qwen3OmniThinker
+
+    if getattr(options, "train", "thinker") == "talker":
+        return talker_sizing(config)
 
     preset = config.model.preset if config.model.preset == "tiny" else None
     thinker = _thinker(preset, int(getattr(options, "tiny_head_dim", 8)) if preset else 8)

@@ -1,7 +1,10 @@
 """The Qwen3-Omni-30B-A3B thinker at full size on the meta device: built in seconds with no storage, and its
-parameter counts (total, per encoder, active per token) against the published figures."""
+parameter counts (total, per encoder, active per token) against the published figures; the whole model's talker and
+code2wav, and the sizing of model.options.train=talker."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from omnirl_plugin_qwen3_omni.full_size import PUBLISHED, full_size_components, parameter_counts
@@ -107,3 +110,95 @@ def test_the_tiny_preset_is_planned_from_its_own_architecture():
     thinker = build_tiny()[0]
     assert plan.preset == "tiny" and plan.components == {"thinker": checkpoint_numel(thinker)}
     assert plan.parallel_units == {"tensor": (2, "key/value heads"), "expert": (8, "experts")}
+
+
+def test_the_whole_models_talker_and_code2wav_are_built_on_meta_from_the_released_config():
+    from omnirl_plugin_qwen3_omni.full_size import full_size_speech
+
+    speech, seconds, grown = testing.build_on_meta(full_size_speech)
+    testing.check_on_meta(speech, seconds, grown)
+    talker, code2wav = speech["talker"], speech["code2wav"]
+    layers = talker.model.layers
+    assert len(layers) == 20 and talker.config.text_config.num_experts_per_tok == 6
+    assert layers[0].mlp.experts.down_proj.shape == (128, 1024, 384)  # 128 experts of width 384
+    assert talker.config.num_code_groups == 16 and len(talker.code_predictor.model.layers) == 5
+    assert talker.codec_head.weight.shape == (3072, 1024)
+    assert len(talker.code_predictor.lm_head) == 15  # the residual codebooks: 16 - the talker's first
+    assert code2wav.config.num_quantizers == 16 and code2wav.config.upsample_rates == [8, 5, 4, 3]
+
+
+def _talker_config(preset: str | None, rank: int | None) -> Any:
+    from omnirl_core.config import RunConfig
+
+    model = {"name": "qwen3-omni", "options": {"train": "talker"},
+             "lora": {"enabled": rank is not None, "rank": rank or 8, "alpha": rank or 8}}
+    if preset:
+        model["preset"] = preset
+    return RunConfig.model_validate({"model": model, "rollout": {"options": {"max_new_tokens": 36}}})
+
+
+def test_train_talker_plans_the_whole_model_with_the_talker_trained():
+    """The sizing of model.options.train=talker: the thinker, talker and code2wav held, the talker trained; its LoRA
+    count against peft on the tiny whole model (the plugin's own targets), and no gradient checkpointing offered
+    (the talker refuses it)."""
+    import re
+    from types import SimpleNamespace
+
+    import torch
+    from omnirl_plugin_qwen3_omni.sizing import sizing
+    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
+    from omnirl_plugin_qwen3_omni.tiny import tiny_omni_config
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omnirl_core.planning.sizing import checkpoint_numel
+
+    plan = sizing(_talker_config("tiny-talker", 8), SimpleNamespace(train="talker"))
+    roles = ("pad", "eos", "image", "video", "vision_start", "audio", "audio_start", "audio_end")
+    with torch.device("meta"):
+        omni = Qwen3OmniMoeForConditionalGeneration(tiny_omni_config({r: i for i, r in enumerate(roles)}))
+    assert plan.preset == "tiny-talker" and plan.trained == ("talker",) and plan.lora
+    assert plan.components == {"thinker": checkpoint_numel(omni.thinker), "talker": checkpoint_numel(omni.talker),
+                               "code2wav": checkpoint_numel(omni.code2wav)}
+    assert not plan.checkpointable
+    names = [n for n, m in omni.named_modules()
+             if isinstance(m, torch.nn.Linear) and re.fullmatch(Qwen3OmniTalker.default_lora_targets, n)]
+    assert names and all(n.startswith("talker.") for n in names)
+    inject_adapter_in_model(LoraConfig(r=8, lora_alpha=8, target_modules=names), omni)
+    assert plan.trainable == sum(p.numel() for name, p in omni.named_parameters() if "lora_" in name) > 0
+    full = sizing(_talker_config("tiny-talker", None), SimpleNamespace(train="talker"))
+    assert full.trainable == sum(p.numel() for name, p in omni.talker.named_parameters() if "lora_" not in name)
+
+
+def test_the_released_talker_run_is_planned_without_offering_checkpointing():
+    from types import SimpleNamespace
+
+    from omnirl_plugin_qwen3_omni.sizing import sizing
+
+    from omnirl_core.planning.sizing import checkpoint_numel
+
+    plan = sizing(_talker_config(None, 32), SimpleNamespace(train="talker"))
+    assert plan.preset is None and set(plan.components) == {"thinker", "talker", "code2wav"}
+    assert plan.components["thinker"] == 31_719_205_488  # as test_memory_estimate's thinker
+    assert plan.components["talker"] > 3e9 and plan.tokens == 128 + 36 and not plan.checkpointable
+    assert plan.largest_block == max(checkpoint_numel(b) for b in _speech()["talker"].model.layers)
+
+
+def _speech() -> dict[str, Any]:
+    from omnirl_plugin_qwen3_omni.full_size import full_size_speech
+
+    return full_size_speech()
+
+
+def test_the_thinkers_lora_is_planned_from_its_regex():
+    """The token model's default targets are one regex over whole module names; the plan once read them as a tuple of
+    characters and planned no adapters at all."""
+    from types import SimpleNamespace
+
+    from omnirl_plugin_qwen3_omni.sizing import sizing
+
+    from omnirl_core.config import RunConfig
+
+    config = RunConfig.model_validate({"model": {"name": "qwen3-omni", "lora": {"rank": 32, "alpha": 32}}})
+    plan = sizing(config, SimpleNamespace(tiny_head_dim=8))
+    assert plan.lora and plan.trainable == 26_738_688  # rank 32 on q, k, v, o of the 48 decoder layers
