@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
+from omnirl_plugin_wandb.records import read_run_records
 
 from omnirl_core.contracts import Tracker
 from omnirl_core.loop.trackers import StepEvent, TrackerRun, TrackerSet, resolve_trackers
@@ -31,35 +30,6 @@ ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": FIXTURES, 
 
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def wandb_records(path: Path) -> list:
-    """The records of a W&B run file (``run-*.wandb``: a LevelDB-style log of protobuf records), each block's
-    checksum verified, so a torn or damaged file fails here."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    ident, magic, version = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0)
-    block, pos, pending, records = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        chunk = data[pos + 7:pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"bad checksum at {pos}"
-        pos += 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
 
 
 def _history(records: list) -> list[dict]:
@@ -117,11 +87,11 @@ def test_a_run_logs_to_tensorboard_and_wandb_and_a_resume_shows_each_step_once(t
     steps = []
     for directory in runs:
         [file] = directory.glob("run-*.wandb")
-        history = _history(wandb_records(file))
+        history = _history(read_run_records(file))
         steps.append([h["_step"] for h in history])
         assert all("reward/mean" in h and "kl" in h for h in history)
     assert steps == [[1, 2, 3], [3, 4]]
-    first_history = _history(wandb_records(next(runs[0].glob("run-*.wandb"))))
+    first_history = _history(read_run_records(next(runs[0].glob("run-*.wandb"))))
     assert [h["_step"] for h in first_history if h.get("samples/_type") == "image-file"] == [1, 2, 3]
     assert "hist/reward/total/_type" in first_history[0]
     assert len(list((runs[0] / "files" / "media" / "images").glob("samples_*.png"))) == 3

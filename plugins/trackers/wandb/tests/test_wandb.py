@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+from omnirl_plugin_wandb.records import read_run_records
 from omnirl_plugin_wandb.tracker import RUN_ID_FILE, WandbOptions, WandbTracker
 from PIL import Image
 
@@ -56,7 +57,7 @@ def test_speech_samples_are_logged_as_audio_files_with_their_captions(tmp_path: 
     # wandb keeps the files as they are: each logged file is one of the first two clips, byte for byte
     assert sorted(f.read_bytes() for f in logged) == sorted(c.path.read_bytes() for c in clips[:2])
     [file] = run.glob("run-*.wandb")
-    [history] = [r.history for r in _records(file) if r.WhichOneof("record_type") == "history"]
+    [history] = [r.history for r in read_run_records(file) if r.WhichOneof("record_type") == "history"]
     row: dict = {}  # a logged object's fields come as items of their own: nested_key = (key, field)
     for item in history.item:
         path = [item.key] if item.key else list(item.nested_key)
@@ -70,33 +71,3 @@ def test_speech_samples_are_logged_as_audio_files_with_their_captions(tmp_path: 
         assert entry["_type"] == "audio-file" and entry["caption"] == f"Gate {n}, Ms. Lee. (reward 0.{n}00)"
         assert (run / "files" / entry["path"]).read_bytes() == clips[n].path.read_bytes()
 
-
-def _records(path: Path) -> list:
-    """The protobuf records of a W&B run file (``run-*.wandb``: 32 KiB blocks of chunks, each with a 7-byte header:
-    CRC-32, length, kind 1 whole / 2 first / 3 middle / 4 last), each chunk's checksum verified."""
-    import struct
-    import zlib
-
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    block, pos, pending, records = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        chunk = data[pos + 7:pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"bad checksum at {pos}"
-        pos += 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
