@@ -265,18 +265,25 @@ def timed(run, work: Path, index: int, args, load: int) -> dict:
 
 def alternate(work: Path, args, result: dict) -> None:
     """Pairs of runs, alternating which trainer starts; each beside ``--load`` busy processes, and with
-    ``--paired-quiet`` each trainer's loaded run follows a quiet one of its own (the degradation, loaded over
-    quiet, from runs minutes apart rather than from two invocations)."""
+    ``--paired-quiet`` each trainer's loaded run beside a quiet one of its own, quiet first in even pairs and last
+    in odd ones (the degradation, loaded over quiet, from runs minutes apart rather than from two invocations)."""
     for i in range(args.pairs):
         order = (run_omnirl, run_flow_grpo) if i % 2 == 0 else (run_flow_grpo, run_omnirl)
         pair: dict = {"pair": i}
         loaded: dict = {}
         for run in order:
-            if args.paired_quiet:
+            # with --paired-quiet the quiet run comes first in even pairs and last in odd ones: a trainer's second
+            # run of a pair can be faster than its first whatever the load (flow_grpo's was, in every pair that
+            # ran quiet first), and alternating keeps that order effect out of the mean degradation
+            quiet_first = i % 2 == 0
+            if args.paired_quiet and quiet_first:
                 quiet = timed(run, work, i, args, 0)
                 result["runs"].append(quiet)
             record = timed(run, work, i, args, args.load)
             result["runs"].append(record)
+            if args.paired_quiet and not quiet_first:
+                quiet = timed(run, work, i, args, 0)
+                result["runs"].append(quiet)
             loaded[record["trainer"]] = record
             if args.paired_quiet:
                 pair[f"{record['trainer']}_loaded_over_quiet"] = record["mean_step_s"] / quiet["mean_step_s"]
@@ -311,8 +318,9 @@ def main() -> None:
                         help="8 short prompts, or flow_grpo's dataset/pickscore prompt files")
     parser.add_argument("--load", type=int, default=0, help="busy processes (a pure-Python spin each) beside every "
                         "run: the shared-CPU case")
-    parser.add_argument("--paired-quiet", action="store_true", help="with --load: each trainer's loaded run follows "
-                        "a quiet one, and each pair reports both trainers' degradation (loaded over quiet)")
+    parser.add_argument("--paired-quiet", action="store_true", help="with --load: each trainer's loaded run beside "
+                        "a quiet one of its own (quiet first in even pairs, last in odd ones), and each pair reports "
+                        "both trainers' degradation (loaded over quiet)")
     args = parser.parse_args()
     if args.paired_quiet and not args.load:
         raise SystemExit("--paired-quiet compares runs beside --load N busy processes with quiet ones: pass --load")
