@@ -5,10 +5,13 @@ Setup, on every rank: (1) the process group (gloo on CPU, nccl on CUDA) and mega
 (``initialize_model_parallel``: ``tensor_parallel`` x data parallel for the dense weights; ``expert_parallel`` x
 expert tensor parallel (the tensor-parallel size without expert parallelism, else 1) for the experts); (2) the
 text decoder built from megatron-core's GPT and MoE blocks (``thinker.build_gpt``) and this rank's shard of the
-policy's weights, converted from the transformers layout (``thinker.to_megatron`` + ``shard``); (3) a torch AdamW
-over the local shards (megatron's own optimizer allocates CUDA tensors; AdamW is elementwise, so over shards it
-is AdamW over the whole weights). The transformers thinker stays the policy the rollout engines sample from and
-the checkpoint's layout: after every optimizer step the engine gathers the shards and copies them into it.
+policy's weights, converted from the transformers layout (``thinker.to_megatron`` + ``shard``); with LoRA
+(``model.lora``), the base frozen and adapters on the attention projections that compute what the transformers
+thinker's peft adapters compute, starting from them (``lora.py``); (3) a torch AdamW over the local shards of
+what is trained (megatron's own optimizer allocates CUDA tensors; AdamW is elementwise, so over shards it is AdamW
+over the whole weights). The transformers thinker stays the policy the rollout engines sample from and the
+checkpoint's layout: after every optimizer step the engine gathers the shards (the adapters, with LoRA) and
+copies them into it.
 
 One training step is the torch engine's (``prepare_all``, minibatches of whole samples, micro-batches through
 ``algorithm.loss``, rollout-correction fix-ups, clipping, ``finite_update``, ``after_optimizer_step``), with the
@@ -25,9 +28,10 @@ Engine or Apex norms) the tensor-parallel ranks hold the same tokens, so each ex
 such rank: the expert gradients are divided by that count; dense gradients are summed over the data-parallel
 group, expert gradients over the expert data-parallel group.
 
-Checkpoints: ``shards/rank-RRRRR-of-WWWWW.safetensors`` (each rank's parameter and AdamW shards, megatron names),
-``shards/index.json`` (the ranks' layouts, hyperparameters), and on rank 0 the trained weights in the model's own
-layout (``model/``: transformers' ``save_pretrained``). They load on the same layout shard by shard, and on any
+Checkpoints: ``shards/rank-RRRRR-of-WWWWW.safetensors`` (each rank's shards of the trained parameters and their
+AdamW state, megatron names), ``shards/index.json`` (the ranks' layouts, hyperparameters), and on rank 0 the
+trained weights in the model's own layout (``model/``: transformers' ``save_pretrained``; with LoRA peft's
+``adapter_model.safetensors``). They load on the same layout shard by shard, and on any
 other one (another world size, tensor- or expert-parallel size) through the whole tensors.
 """
 
@@ -60,7 +64,7 @@ from omnirl_core.loop.training import (
     rs_corrections,
     split_even,
 )
-from omnirl_plugin_megatron import shims, thinker
+from omnirl_plugin_megatron import lora, shims, thinker
 from omnirl_plugin_megatron.thinker import Layout
 
 SHARD_DIR = "shards"
@@ -143,6 +147,9 @@ class MegatronTrainEngine(TrainEngine):
         self.device = device
         self.on_cpu = device.type == "cpu"
         self.config = self._text_config(model)
+        # LoRA: the transformers thinker's peft adapters (initialised by the run's seed) are the adapters' start
+        peft = model.trained_state_dict() if model.lora is not None else {}
+        adapted = lora.adapted(list(peft))
         ensure_process_group(self.options.backend or default_backend(device.type))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         tp, ep = self._sizes()
@@ -158,7 +165,9 @@ class MegatronTrainEngine(TrainEngine):
             shims.router_without_transformer_engine()
             self.gpt = thinker.build_gpt(self.config, model.dtype, tp, ep).to(device).eval()
             self._load_hf_weights()
-        self.params = [(n, p) for n, p in self.gpt.named_parameters()]
+            if peft:
+                self._add_adapters(peft, adapted, tp)
+        self.params = [(n, p) for n, p in self.gpt.named_parameters() if p.requires_grad]
         self._groups()
         self._mask_padding_row()
         self.optimizer = torch.optim.AdamW([p for _, p in self.params], lr=train.lr,
@@ -173,11 +182,6 @@ class MegatronTrainEngine(TrainEngine):
             raise UsageError(
                 f"The megatron engine trains the Qwen3-Omni thinker; this model is {type(model).__name__}.",
                 hint="Use --model qwen3-omni, or train.engine=torch / fsdp2 for other models.")
-        if getattr(model, "lora", None) is not None:
-            raise UsageError(
-                "The megatron engine trains the whole text decoder (full fine-tuning); LoRA is not supported.",
-                hint="Set model.lora.enabled=false (--set model.lora.enabled=false), or use train.engine=fsdp2 for "
-                "LoRA.")
         return config
 
     def _sizes(self) -> tuple[int, int]:
@@ -229,7 +233,8 @@ class MegatronTrainEngine(TrainEngine):
         self.token_copies = len(same_tokens & set(dist.get_process_group_ranks(self.expert_group)))
 
     def _load_hf_weights(self) -> None:
-        hf = self.model.module.state_dict()
+        # with LoRA, peft holds each adapted layer's weight as ``<layer>.base_layer.weight``
+        hf = {k.replace(".base_layer.", "."): v for k, v in self.model.module.state_dict().items() if ".lora_" not in k}
         full = thinker.to_megatron({k: hf[k] for k in thinker.hf_names(self.config)}, self.config)
         local = thinker.shard(full, self.layout, self.config.num_experts)
         result = self.gpt.load_state_dict({k: v.to(self.device) for k, v in local.items()}, strict=False)
@@ -237,12 +242,26 @@ class MegatronTrainEngine(TrainEngine):
         if missing or result.unexpected_keys:
             raise RuntimeError(f"weight conversion: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
+    def _add_adapters(self, peft: dict[str, torch.Tensor], adapted: dict[int, list[str]], tp: int) -> None:
+        """LoRA adapters on the adapted layers (``lora.py``), this rank's shards of peft's; the rest frozen."""
+        settings = self.model.lora
+        dtype = next(iter(peft.values())).dtype  # the float32 master copies
+        lora.add_adapters(self.gpt, self.config, adapted, settings.rank, settings.alpha, tp, dtype, self.device)
+        local = thinker.shard(lora.to_megatron(peft), self.layout, self.config.num_experts)
+        params = dict(self.gpt.named_parameters())
+        trained = {n for n, p in params.items() if p.requires_grad}
+        if trained != set(local):
+            raise RuntimeError(f"LoRA adapters: megatron has {sorted(trained ^ set(local))[:5]} unmatched")
+        with torch.no_grad():
+            for name, value in local.items():
+                params[name].copy_(value)
+
     def _mask_padding_row(self) -> None:
         """transformers' embedding has ``padding_idx`` (the pad token's row gets no gradient); megatron's has none."""
         pad = getattr(self.config, "pad_token_id", None)
-        if pad is None:
-            return
         weight = self.gpt.embedding.word_embeddings.weight
+        if pad is None or not weight.requires_grad:  # LoRA: the embedding is frozen
+            return
         start = self.layout.tp_rank * weight.shape[0]
         if start <= pad < start + weight.shape[0]:
             row = pad - start
@@ -377,15 +396,19 @@ class MegatronTrainEngine(TrainEngine):
         save). Collective."""
         with shims.cpu_placement(self.on_cpu):
             pieces = self._gathered({n: p for n, p in self.params})
-        hf = thinker.to_hf(thinker.unshard(pieces, self.config.num_experts), self.config)
+        full = thinker.unshard(pieces, self.config.num_experts)
+        if self.model.lora is not None:  # the adapters, under peft's names: the weight-sync path's LoRA state
+            self.model.load_trained_state_dict(lora.to_peft(full))
+            return
+        hf = thinker.to_hf(full, self.config)
         state = self.model.module.state_dict()
         with torch.no_grad():
             for name, value in hf.items():
                 state[name].copy_(value)
 
     def trained_state(self) -> dict[str, torch.Tensor]:
-        """The trained weights as whole CPU tensors in the model's layout (the policy is synced after every
-        optimizer step and every load)."""
+        """The trained weights as whole CPU tensors in the model's layout, the adapters under peft's names with
+        LoRA (the policy is synced after every optimizer step and every load)."""
         return self.model.trained_state_dict()
 
     # -- sharded checkpoints -------------------------------------------------------------------

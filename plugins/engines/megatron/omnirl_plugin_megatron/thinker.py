@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 PREFIX = "model.language_model."
+LORA = re.compile(r"\.linear_(qkv|proj)\.lora_([AB])\.[qkvo]$")
 EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
@@ -154,7 +155,12 @@ def output_logits(gpt: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 def _split_rule(name: str) -> tuple[str, int]:
     """How a megatron parameter is split over its tensor-parallel group: ('dup', -), ('dim', d) or ('glu', 0)
-    (each half of [gate; up] split on its own)."""
+    (each half of [gate; up] split on its own). LoRA adapters (``lora.py``): ``linear_qkv``'s B with the output
+    rows, ``linear_proj``'s A with the input columns, the other matrix whole."""
+    adapter = LORA.search(name)
+    if adapter:
+        split = {("qkv", "B"): 0, ("proj", "A"): 1}.get(adapter.groups())
+        return ("dup", 0) if split is None else ("dim", split)
     if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias")):
         return "dim", 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):

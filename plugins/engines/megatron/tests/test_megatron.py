@@ -1,6 +1,7 @@
 """The megatron engine on CPU (gloo): the core's train-engine contract, and GSPO on the tiny Qwen3-Omni thinker
 through the real worker with 2 ranks (tensor parallel, expert parallel, both) against the single-process torch
-engine; its sharded checkpoint resumes on the same layout bit for bit and loads on other layouts exactly.
+engine; its sharded checkpoint resumes on the same layout bit for bit and loads on other layouts exactly. LoRA: the
+adapters' layout (pure tensors), and one 2-rank test against the torch engine with a bit-for-bit resume.
 
 Every process is a script (``rank_job.py``, ``contract_job.py``): megatron's parallel state is process-global.
 
@@ -20,6 +21,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,8 +92,6 @@ def test_importing_the_plugin_is_cheap():
 def test_weights_shard_and_gather_back_exactly(tp: int, ep: int):
     """transformers -> megatron shards on every rank of a layout -> whole -> transformers, bit for bit (GQA with
     2 heads per group, 4 experts, a dense layer after a MoE one, and qkv biases)."""
-    from types import SimpleNamespace
-
     import torch
     from omnirl_plugin_megatron import thinker
 
@@ -122,6 +122,58 @@ def test_weights_shard_and_gather_back_exactly(tp: int, ep: int):
         assert pieces[0][1]["embedding.word_embeddings.weight"].shape == (32 // tp, 16)
     back = thinker.to_hf(thinker.unshard(pieces, config.num_experts), config)
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_lora_adapters_shard_and_their_fused_qkv_delta_is_peft_s(tp: int):
+    """peft's adapters (layer 0: q, k, v, o; layer 1: q, v) -> megatron shards -> whole -> peft, bit for bit; and on
+    every rank the interleaved ``linear_qkv`` delta from the local shards is that rank's rows of the fused layout of
+    peft's three deltas (8 heads in 4 query groups: several groups per rank at tensor parallel 1 and 2)."""
+    import torch
+    from omnirl_plugin_megatron import lora, thinker
+
+    config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, head_dim=4, hidden_size=16)
+    rank, g = 2, torch.Generator().manual_seed(0)
+    rows = {"q": 32, "k": 16, "v": 16, "o": 16}
+    peft = {}
+    for layer, parts in ((0, "qkvo"), (1, "qv")):
+        for p in parts:
+            name = f"{thinker.PREFIX}layers.{layer}.self_attn.{p}_proj"
+            peft[f"{name}.lora_A.weight"] = torch.randn(rank, 32 if p == "o" else 16, generator=g)
+            peft[f"{name}.lora_B.weight"] = torch.randn(rows[p], rank, generator=g)
+    assert lora.adapted(list(peft)) == {0: ["k", "o", "q", "v"], 1: ["q", "v"]}
+    layouts = [thinker.Layout(tp=tp, tp_rank=r) for r in range(tp)]
+    full = lora.to_megatron(peft)
+    pieces = [(layout, thinker.shard(full, layout, 1)) for layout in layouts]
+    back = lora.to_peft(thinker.unshard(pieces, 1))
+    assert back.keys() == peft.keys() and all(torch.equal(back[k], peft[k]) for k in peft)
+    x = torch.randn(3, 16, generator=g)
+    for layer, parts in ((0, "qkv"), (1, "qv")):
+        name = f"{thinker.PREFIX}layers.{layer}.self_attn.{{}}_proj.lora_{{}}.weight"
+        whole = {p: x @ peft[name.format(p, "A")].T @ peft[name.format(p, "B")].T if p in parts
+                 else torch.zeros(3, rows[p]) for p in "qkv"}
+        fused = thinker._fuse_qkv(whole["q"].T, whole["k"].T, whole["v"].T, config.num_key_value_heads).T
+        for layout, local in pieces:
+            key = f"decoder.layers.{layer}.self_attention.linear_qkv.lora_{{}}.{{}}"
+            deltas = {p: x @ local[key.format("A", p)].T @ local[key.format("B", p)].T for p in parts}
+            assert local[key.format("B", "q")].shape == (32 // tp, rank)  # B is split, A whole
+            assert local[key.format("A", "q")].shape == (rank, 16)
+            mine = lora.interleave(deltas, {p: rows[p] // tp for p in "qkv"}, 4 // tp)
+            assert torch.equal(mine, fused.chunk(tp, dim=1)[layout.tp_rank])
+        if layer == 0:  # linear_proj: A split with the input columns, B whole
+            assert pieces[-1][1]["decoder.layers.0.self_attention.linear_proj.lora_A.o"].shape == (rank, 32 // tp)
+            assert pieces[-1][1]["decoder.layers.0.self_attention.linear_proj.lora_B.o"].shape == (16, rank)
+
+
+def test_lora_on_other_modules_is_refused_by_name():
+    from omnirl_plugin_megatron import lora
+
+    from omnirl_core.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        lora.adapted(["model.language_model.layers.0.self_attn.q_proj.lora_A.weight", "lm_head.lora_A.weight",
+                      "model.audio_tower.layers.0.fc1.lora_B.weight", "lm_head.base_layer.weight"])
+    assert "also adapts lm_head, model.audio_tower.layers.0.fc1." in info.value.render()
 
 
 def _plan(options: dict, ranks: int = 2):
@@ -216,13 +268,15 @@ def test_checkpoint_loads_on_another_layout(runs: dict[str, Path], tmp_path: Pat
 
 
 def test_cli_trains_the_tiny_thinker_and_resumes_bit_for_bit(tmp_path: Path):
-    """The real CLI (inline, one rank): 2 steps, and the same run stopped after 1 and resumed to 2."""
+    """The real CLI (inline, one rank) with the preset's LoRA (the default; full fine-tuning resumes in
+    ``test_checkpoint_resumes_exactly_on_the_same_layout``): 2 steps, and the same run stopped after 1 and resumed
+    to 2."""
     from safetensors.torch import load_file
 
     from omnirl_core.testing import run_train
 
     args = ("--model", "qwen3-omni", "--algo", "gspo", "--preset", "tiny", "--set", "train.engine=megatron",
-            "--set", "model.lora.enabled=false", "--set", "rollout.prompts_per_step=2", "--set",
+            "--set", "rollout.prompts_per_step=2", "--set",
             "rollout.group_size=4", "--set", "run.threads=1")
     whole = run_train(tmp_path / "whole", *args, "--steps", "2")
     assert [r["step"] for r in whole] == [1, 2]
@@ -231,6 +285,47 @@ def test_cli_trains_the_tiny_thinker_and_resumes_bit_for_bit(tmp_path: Path):
     resumed = run_train(tmp_path / "resumed", *args, "--steps", "2")
     assert [(r["loss"], r["grad_norm"], r["reward/mean"]) for r in resumed] == \
         [(r["loss"], r["grad_norm"], r["reward/mean"]) for r in whole]
-    last = "checkpoints/step-000002/model/model.safetensors"
+    last = "checkpoints/step-000002/adapter_model.safetensors"
     a, b = load_file(str(tmp_path / "whole" / last)), load_file(str(tmp_path / "resumed" / last))
+    assert a and all(".lora_" in k for k in a)
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_lora_on_two_ranks_matches_the_torch_engine_and_resumes_bit_for_bit(tmp_path: Path):
+    """GSPO with LoRA (rank_job.py ``--lora``: rank 4, alpha 8 on the attention projections; a KL term to the
+    reference, the base model) on 2 ranks against the single-process torch engine, same samples: tensor parallel 2
+    (one query group per rank) and expert parallel 2 (tensor parallel 1: both query groups interleaved on each rank;
+    the adapters data parallel). The adapters start equal (peft's, seeded by the run), stay within the bound after
+    two steps and score as the rollout does; the tensor-parallel checkpoint saved after step 1 holds each rank's
+    adapter shards and peft's adapter files, and a fresh pair of ranks loads it and repeats step 2 bit for bit."""
+    from safetensors.torch import load_file
+
+    lora = ("--lora", "--beta", "0.04")
+    torch_run = _job(tmp_path / "torch", "torch", 1, None, *lora)
+    assert _max_diff(torch_run / "state-0.safetensors", torch_run / "state-1.safetensors") > 100 * BOUND
+    theirs = json.loads((torch_run / "metrics.json").read_text())
+    for layout in ("tp2", "ep2"):
+        run = _job(tmp_path / layout, "megatron", 2, LAYOUTS[layout], *lora, *(("--save-shards",) * (layout == "tp2")))
+        state = load_file(str(run / "state-0.safetensors"))
+        assert state and all(".lora_" in k for k in state)  # the export is the adapters, peft's names
+        assert _max_diff(torch_run / "state-0.safetensors", run / "state-0.safetensors") == 0.0
+        for step in (1, 2):
+            diff = _max_diff(torch_run / f"state-{step}.safetensors", run / f"state-{step}.safetensors")
+            print(f"lora {layout} step {step}: max |megatron - torch| adapters = {diff:.3g}")
+            assert diff <= BOUND, (layout, step, diff)
+        ours = json.loads((run / "metrics.json").read_text())
+        for step in ("1", "2"):
+            assert ours[step]["logprob/abs_delta_max"] < 1e-5  # the synced adapters: megatron scores as the rollout
+            assert abs(ours[step]["loss"] - theirs[step]["loss"]) < 1e-5
+            assert abs(ours[step]["kl"] - theirs[step]["kl"]) < 1e-6 and ours[step]["kl"] > 1e-3
+
+    run = tmp_path / "tp2"
+
+    shard = load_file(str(run / "ckpt" / "shards" / "rank-00001-of-00002.safetensors"))
+    assert all(".lora_" in k for k in shard) and any(k.startswith("optim/") for k in shard)
+    assert shard["param/decoder.layers.0.self_attention.linear_qkv.lora_B.q"].shape == (16, 4)  # 32 q rows / 2
+    assert shard["param/decoder.layers.0.self_attention.linear_proj.lora_A.o"].shape == (4, 16)  # 32 columns / 2
+    assert (run / "ckpt" / "adapter_model.safetensors").is_file()
+    again = _job(tmp_path / "again", "megatron", 2, LAYOUTS["tp2"], *lora, "--load-shards", str(run / "ckpt"))
+    assert _max_diff(run / "state-1.safetensors", again / "loaded.safetensors") == 0.0
+    assert _max_diff(run / "state-2.safetensors", again / "state-2.safetensors") == 0.0
