@@ -9,11 +9,14 @@ whose disk is not the driver's) that records and refuses any file operation unde
 writers (safetensors) bypass audit hooks; the relative run directory catches those.
 
 One scenario carries most of it, since each run costs most of a minute on two cores: the tiny FlowGRPO run with the
-rollout on the head, two FSDP2 ranks on the two worker nodes (strict_spread) and the reward beside rank 1; the node
-of rank 0 is killed once checkpoint 1 is written; the run stops with exit code 1 within a bound, naming the node,
-the group and the checkpoint, leaving nothing half-written; a node with the same resources joins and the same
-command resumes. Checkpoint 1 (written over three nodes) and the resumed run's final weights and metrics equal the
-single-node Ray run's bit for bit (1 torch thread per worker).
+rollout on the head, two FSDP2 ranks on the two worker nodes (strict_spread) and the reward beside rank 1, its
+checkpoints in a storage location of their own (``run.storage``, a ``file://`` URI: the ranks write their files
+there, the driver's run directory records where); the node of rank 0 is killed once checkpoint 1 is written; the run
+stops with exit code 1 within a bound, naming the node, the group and the checkpoint, leaving nothing half-written;
+a node with the same resources joins and the same command resumes, each rank fetching its part from the storage.
+Checkpoint 1 (written over three nodes) and the resumed run's final weights and metrics equal the single-node Ray
+run's bit for bit (1 torch thread per worker), whose checkpoints reach its run directory through Ray. The same
+transfer through Ray between nodes (a worker's files streamed to the driver and shipped back) has a test of its own.
 """
 
 from __future__ import annotations
@@ -176,10 +179,21 @@ def _steady(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
+WEIGHTS = ["pytorch_lora_weights.safetensors", "shards/index.json", "shards/rank-00000-of-00002.safetensors",
+           "shards/rank-00001-of-00002.safetensors"]
+
+
 def _weights(checkpoint: Path) -> dict[str, bytes]:
-    names = ["pytorch_lora_weights.safetensors", "shards/index.json", "shards/rank-00000-of-00002.safetensors",
-             "shards/rank-00001-of-00002.safetensors"]
-    return {name: (checkpoint / name).read_bytes() for name in names}
+    """The trained weights and shards of a checkpoint: in its directory, or where its ``storage.json`` says."""
+    record = checkpoint / "storage.json"
+    if record.is_file():
+        entry = json.loads(record.read_text())
+        checkpoint = Path(entry["location"].removeprefix("file://")) / entry["directory"]
+    return {name: (checkpoint / name).read_bytes() for name in WEIGHTS}
+
+
+def _stored(storage: Path) -> list[str]:
+    return sorted(p.name for p in (storage / "checkpoints").iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +209,12 @@ def single_node(cluster, tmp_path_factory) -> Path:
 
 def test_a_node_lost_mid_run_stops_the_run_cleanly_and_the_same_command_resumes_it_exactly(cluster, single_node):
     run = cluster.driver / "runs" / "three-nodes"
+    storage = cluster.base / "storage"  # the nodes' shared storage location (one machine's disk here)
+    stored = ("--set", f"run.storage=file://{storage}")
     result: dict = {}
 
     def train() -> None:
-        result["proc"] = cluster.train("--output-dir", "runs/three-nodes", *POOLS)
+        result["proc"] = cluster.train("--output-dir", "runs/three-nodes", *POOLS, *stored)
         result["ended"] = time.monotonic()
 
     driver = threading.Thread(target=train)
@@ -238,13 +254,23 @@ def test_a_node_lost_mid_run_stops_the_run_cleanly_and_the_same_command_resumes_
 
     assert verify(first)["step"] == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000001"]
-    # written over three nodes, shipped to the driver through Ray: the single-node run's checkpoint, bit for bit
+    # the ranks' files are in the storage, the run directory keeps where they are (no shard, no weights)
+    driver_files = ["checksums.json", "metrics.jsonl", "storage.json", "trainer_state.json"]
+    assert sorted(p.name for p in first.iterdir()) == driver_files
+    entry = json.loads((first / "storage.json").read_text())
+    assert entry["location"] == f"file://{storage}" and _stored(storage) == [entry["directory"].split("/")[-1]]
+    reference = single_node / "checkpoints" / "step-000001"
+    assert sorted(entry["files"]) == sorted(str(f.relative_to(reference)) for f in reference.rglob("*") if f.is_file()
+                                            and f.name not in driver_files)  # the layout of a run directory's
+    # written over three nodes into the storage: the single-node run's checkpoint (through Ray), bit for bit
     assert _weights(first) == _weights(single_node / "checkpoints" / "step-000001")
+    assert not (single_node / "checkpoints" / "step-000001" / "storage.json").exists()
 
-    resumed = cluster.train("--output-dir", "runs/three-nodes", *POOLS)
+    resumed = cluster.train("--output-dir", "runs/three-nodes", *POOLS, *stored)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resuming run in runs/three-nodes" in resumed.stderr
     final = run / "checkpoints" / "step-000002"
+    assert sorted(p.name for p in final.iterdir()) == driver_files and len(_stored(storage)) == 2
     assert _weights(final) == _weights(single_node / "checkpoints" / "step-000002")
     rows, want = _rows(run), _rows(single_node)
     assert [r["step"] for r in rows] == [1, 2]
@@ -362,5 +388,59 @@ def test_a_workers_failure_is_named_with_its_node_and_a_killed_worker_is_a_lost_
         assert isinstance(lost, WorkerLostError) and lost.node is None and lost.lost == [placed]
         assert lost.message == (f"The rollout group's rollout worker 0 on {placed.where()} died during the rollout (its "
                                 "node is alive: the worker's process ended).")
+    finally:
+        ray.shutdown()
+
+
+def test_a_workers_files_cross_nodes_through_ray_with_their_checksums(cluster, tmp_path):
+    """The transfer a checkpoint takes without run.storage, between a worker node and the driver: files (one of
+    several chunks) streamed from an actor on node b into the driver's directory, checked; shipped back through the
+    object store into the actor's scratch directory, checked there."""
+    from omnirl_core.loop.transfer import CHUNK, Receiver, chunks_of, ship
+
+    @ray.remote(num_cpus=0, max_restarts=0, resources={"reward": 0.001})
+    class Holder:
+        def where(self):
+            return ray.get_runtime_context().get_node_id()
+
+        def save(self):
+            import hashlib
+
+            from omnirl_core.loop.transfer import scratch
+
+            with scratch() as directory:
+                (directory / "shards").mkdir()
+                (directory / "shards" / "rank-00001-of-00002.safetensors").write_bytes(b"\x01" * (CHUNK + 5))
+                (directory / "optimizer.json").write_text("{}")
+                yield {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.rglob("*") if p.is_file()}
+                yield from chunks_of(directory)
+
+        def load(self, files):
+            import hashlib
+
+            from omnirl_core.loop.transfer import scratch, unpack
+
+            with scratch() as directory:
+                moved = unpack(files, directory)
+                return moved, {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                               for p in directory.rglob("*") if p.is_file()}
+
+    ray.init(address=cluster.cluster.address, log_to_driver=False)
+    try:
+        holder = Holder.remote()
+        assert ray.get(holder.where.remote()) == cluster.node_id("b")
+        stream = holder.save.options(num_returns="streaming").remote()
+        sums = ray.get(next(stream))
+        receiver = Receiver(tmp_path)
+        chunks = 0
+        for ref in stream:
+            receiver.take(ray.get(ref))
+            chunks += 1
+        receiver.close()
+        assert chunks == 3 and receiver.bytes == CHUNK + 5 + 2  # the shard in two chunks, the JSON in one
+        assert {Path(k).name: v for k, v in receiver.sums.items()} == sums
+        names = ["optimizer.json", "shards/rank-00001-of-00002.safetensors"]
+        moved, there = ray.get(holder.load.remote(ship(tmp_path, names)))
+        assert moved == CHUNK + 7 and there == sums
     finally:
         ray.shutdown()

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from omnirl_core.errors import ConfigError, did_you_mean
 
@@ -208,6 +216,13 @@ class RunSection(Section):
         "reward): a placement strategy and the nodes that may take them (custom resources or a node's address). "
         "A group without an entry packs its workers anywhere.",
     )
+    storage: str | None = Field(
+        None, description="Ray: where the train ranks write their checkpoint files (shards, optimizer state, the "
+        "gathered weights, the algorithm's state) themselves: a local path that every node mounts at the same place, "
+        "or an fsspec URI (s3://bucket/runs/x; needs fsspec and the scheme's package on every node). The run "
+        "directory's checkpoint then records where they are, with their checksums. None: they reach the run "
+        "directory through Ray.",
+    )
     placement: Literal["colocated", "split"] = Field(
         "colocated",
         description="Ray: actor and rollout in one worker (no weight copy), or in separate workers (weights "
@@ -303,6 +318,17 @@ class RunSection(Section):
         None, ge=1, description="Denoising steps of the evaluation's ODE sampler, during training and in omnirl "
         "eval / sample (None: rollout.num_steps; flow_grpo evaluates with 40)."
     )
+
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_on_ray(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("executor") == "inline":
+            raise ValueError("needs run.executor=ray: the inline executor's worker is the driver, which writes its "
+                             "checkpoints into the run directory")
+        if value is not None and not value.strip():
+            raise ValueError("an empty location; leave it unset to keep checkpoints in the run directory")
+        return value
 
 
 class RunConfig(Section):

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -77,7 +78,11 @@ from omnirl_core.loop.transfer import (
     IN_FLIGHT,
     Receiver,
     Shipped,
+    TransferError,
     chunks_of,
+    digest,
+    files_in,
+    owners,
     rank_part,
     scratch,
     ship,
@@ -99,6 +104,7 @@ class WorkerActor:
     def __init__(self, resolved: ResolvedRun, roles: list[str], rank: int, world_size: int):
         self.worker = Worker(resolved, set(roles), rank=rank, world_size=world_size)
         self.held: dict[int, Sample] = {}  # the last rollout's trajectories, by hold key (``generate(hold=True)``)
+        self.staged: Path | None = None  # run.storage: this worker's part of the checkpoint being saved
 
     def where(self, modules: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
         """Where this actor runs (``actor_location``) and the omnirl / plugin versions its node has installed."""
@@ -179,6 +185,47 @@ class WorkerActor:
         (checksums checked) and loaded; the bytes fetched."""
         with scratch() as directory:
             moved = unpack(files, directory)
+            self.worker.load_state(directory)
+        return moved
+
+    # run.storage: the worker's files go to the storage, not through the driver
+    def stage_state(self) -> tuple[list[str], dict[str, tuple[str, int]]]:
+        """A stored save's first half: this worker's part of a checkpoint, written into a scratch directory of its
+        node and kept for ``store_state``; the names the components listed, and each file's SHA-256 and size. A
+        sharded engine's save is a collective."""
+        import tempfile
+
+        self.drop_staged()
+        self.staged = Path(tempfile.mkdtemp(prefix="omnirl-ckpt-"))
+        listed = self.worker.save_state(self.staged)
+        return listed, {name: digest(self.staged / name) for name in files_in(self.staged)}
+
+    def store_state(self, location: str, directory: str, names: list[str]) -> dict[str, tuple[str, int]]:
+        """The second half: the staged files ``names`` (this worker's: a file several ranks wrote goes from one) to
+        ``directory`` below the storage ``location``; each file's SHA-256 and size as copied. The scratch goes."""
+        from omnirl_core.rundir.storage import Storage
+
+        try:
+            storage = Storage(location)
+            assert self.staged is not None, "store_state without stage_state"
+            return {name: storage.put(self.staged / name, directory, name) for name in names}
+        finally:
+            self.drop_staged()
+
+    def drop_staged(self) -> None:
+        if self.staged is not None:
+            import shutil
+
+            shutil.rmtree(self.staged, ignore_errors=True)
+            self.staged = None
+
+    def fetch_state(self, entry: dict[str, Any], names: list[str], manifest: str) -> int:
+        """This worker's part of a stored checkpoint (``entry``: its ``storage.json``), fetched from the storage into
+        a scratch directory of its node (each file's SHA-256 checked) and loaded; the bytes fetched."""
+        from omnirl_core.rundir.storage import fetch
+
+        with scratch() as directory:
+            moved = fetch(entry, names, directory, manifest)
             self.worker.load_state(directory)
         return moved
 
@@ -529,7 +576,15 @@ class RayExecutor(Executor):
         self.placement = Placement()
         self.traffic: dict[str, Any] = {}
         """Bytes the last checkpoint moved: ``checkpoint_bytes`` (workers -> driver; ``checkpoint_bytes_by_rank``),
-        ``restore_bytes`` (driver -> workers, on resume)."""
+        ``restore_bytes`` (driver -> workers, on resume); with run.storage ``stored_bytes`` (workers -> storage;
+        ``stored_bytes_by_rank``) and ``restore_bytes`` (storage -> workers)."""
+        self.storage: str | None = None
+        """run.storage, as every node sees it (a local path made absolute): where the workers write their checkpoint
+        files. None: through Ray into the run directory."""
+        if run.storage is not None:
+            from omnirl_core.rundir.storage import Storage, absolute
+
+            self.storage = Storage(absolute(run.storage)).location  # a scheme this driver cannot open: refused now
 
     # -- placement -----------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -816,9 +871,12 @@ class RayExecutor(Executor):
     # -- checkpoints ---------------------------------------------------------------------------
     def save_state(self, directory: Path) -> list[str]:
         """The workers' part of a checkpoint: every train rank writes its files (shards, for a sharded engine) on
-        its own node and streams them here, into ``directory``; each file's SHA-256 is checked on arrival."""
+        its own node and streams them here, into ``directory``; each file's SHA-256 is checked on arrival. With
+        run.storage they go to the storage instead (``_save_stored``)."""
         import ray
 
+        if self.storage is not None:
+            return self._save_stored(directory)
         with self._guard("checkpoint"):
             streams = [w.save_state.options(num_returns="streaming", _generator_backpressure_num_objects=IN_FLIGHT)
                        .remote() for w in self.train]
@@ -835,6 +893,40 @@ class RayExecutor(Executor):
                 receiver.close()
         self.traffic.update(checkpoint_bytes=receiver.bytes, checkpoint_bytes_by_rank=by_rank)
         return sorted({f for part in listed for f in part})
+
+    def _save_stored(self, directory: Path) -> list[str]:
+        """run.storage: every train rank writes its part on its node, then copies its own files to
+        ``<storage>/checkpoints/step-N-<id>/`` (a file several ranks wrote, from the lowest of them); the driver
+        writes the stored directory's manifest there and ``storage.json`` (where, and each file's SHA-256
+        and size) into ``directory``. A save that fails removes what it stored."""
+        from omnirl_core.rundir.checkpoint import stored_name
+        from omnirl_core.rundir.storage import STORAGE_FILE, STORED_MANIFEST, Storage, record, stored_manifest
+
+        assert self.storage is not None
+        storage = Storage(self.storage)
+        target = f"checkpoints/{stored_name(directory)}"
+        with self._guard("checkpoint"):
+            staged = self.placement.gather([w.stage_state.remote() for w in self.train], "checkpoint")
+            mine = owners([sums for _, sums in staged])
+            try:
+                stored = self.placement.gather([w.store_state.remote(self.storage, target, names)
+                                                for w, names in zip(self.train, mine)], "checkpoint")
+                files: dict[str, tuple[str, int]] = {}
+                for rank, part in enumerate(stored):
+                    for name, (sha, size) in part.items():
+                        if staged[rank][1][name][0] != sha:
+                            raise TransferError(f"train rank {rank} stored checkpoint file {name} with SHA-256 {sha}, "
+                                                f"but wrote it with {staged[rank][1][name][0]}")
+                        files[name] = (sha, size)
+                storage.write_bytes(stored_manifest(files), target, STORED_MANIFEST)
+            except BaseException:
+                storage.remove(target)
+                raise
+        (directory / STORAGE_FILE).write_text(json.dumps(record(self.storage, target, files), indent=2))
+        by_rank = [sum(size for _, size in part.values()) for part in stored]
+        self.traffic.update(checkpoint_bytes=0, checkpoint_bytes_by_rank=[0] * len(by_rank),
+                            stored_bytes=sum(by_rank), stored_bytes_by_rank=by_rank)
+        return sorted({f for listed, _ in staged for f in listed})
 
     def _first_items(self, streams: list[Any]) -> list[Any]:
         """The first item of each streaming call, failing as soon as one fails or a node of the run dies."""
@@ -854,20 +946,45 @@ class RayExecutor(Executor):
 
     def load_state(self, directory: Path) -> None:
         """Each train rank gets its part of the (verified) checkpoint ``directory`` through Ray, the files of the
-        other ranks of a sharded engine left out."""
-        from omnirl_core.loop.transfer import files_in
+        other ranks of a sharded engine left out; or, for a checkpoint whose files are stored (``storage.json``,
+        wherever run.storage now points), fetches it from the storage itself."""
+        from omnirl_core.rundir.checkpoint import stored_entry
 
-        names = files_in(directory)
         world = len(self.train)
-        shipped = {s.name: s for s in ship(directory, names)}
-        with self._guard("checkpoint load"):
-            parts = [[shipped[n] for n in rank_part(names, rank, world)] for rank in range(world)]
-            moved = self.placement.gather([w.load_state.remote(part) for w, part in zip(self.train, parts)],
-                                          "checkpoint load")
-        del shipped, parts  # the chunks leave the object store
-        self.traffic["restore_bytes"] = sum(moved)
+        entry = stored_entry(directory)
+        if entry is not None:
+            self._load_stored(directory, entry)
+        else:
+            names = files_in(directory)
+            shipped = {s.name: s for s in ship(directory, names)}
+            with self._guard("checkpoint load"):
+                parts = [[shipped[n] for n in rank_part(names, rank, world)] for rank in range(world)]
+                moved = self.placement.gather([w.load_state.remote(part) for w, part in zip(self.train, parts)],
+                                              "checkpoint load")
+            del shipped, parts  # the chunks leave the object store
+            self.traffic["restore_bytes"] = sum(moved)
         if not self.colocated:
             self.sync_weights()
+
+    def _load_stored(self, directory: Path, entry: dict[str, Any]) -> None:
+        """Each train rank fetches its part of a stored checkpoint from the storage (the other ranks' shards left
+        out, as through Ray) and checks each file's SHA-256 against ``storage.json``; a damaged or missing file is
+        a ``StorageError`` naming it (exit code 2)."""
+        from omnirl_core.rundir.checkpoint import fallback_hint
+        from omnirl_core.rundir.storage import STORAGE_FILE, StorageError
+
+        names = sorted(entry["files"])
+        world = len(self.train)
+        manifest = str(directory / STORAGE_FILE)
+        try:
+            with self._guard("checkpoint load"):
+                moved = self.placement.gather([w.fetch_state.remote(entry, rank_part(names, rank, world), manifest)
+                                               for rank, w in enumerate(self.train)], "checkpoint load")
+        except StorageError as err:
+            err.hint = (f"Restore the file in the storage location (it is the checkpoint's only copy), or: "
+                        f"{fallback_hint(directory)}")
+            raise
+        self.traffic["restore_bytes"] = sum(moved)
 
     def close(self) -> None:
         import ray

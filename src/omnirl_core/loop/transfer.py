@@ -11,6 +11,11 @@ A worker's part: every file of the checkpoint, except the files of other ranks o
 size is the one that wrote them. Such a file is named ``rank-RRRRR-of-WWWWW.<ext>`` (``rank_file``); an engine that
 reshards (another world size) gets every rank's.
 
+With ``run.storage`` (``omnirl_core.rundir.storage``) the workers' files go to the storage instead, in two calls: each
+worker writes its part into a scratch directory and lists each file's SHA-256 (``digest``); the driver picks one
+worker for each file (``owners``: a file several ranks wrote must have the same bytes on each), and each worker copies
+its own to the storage. Nothing passes through the driver.
+
 No worker ever opens a path of the driver's run directory.
 """
 
@@ -76,6 +81,33 @@ def chunks_of(directory: Path) -> Iterator[Chunk]:
                     break
                 yield Chunk(name, block, False)
                 block = following
+
+
+def digest(path: Path) -> tuple[str, int]:
+    """A file's SHA-256 and size."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK), b""):
+            sha.update(block)
+            size += len(block)
+    return sha.hexdigest(), size
+
+
+def owners(parts: list[dict[str, tuple[str, int]]]) -> list[list[str]]:
+    """Which worker stores which file: ``parts[rank]`` is what that rank wrote (name -> SHA-256, size); each file goes
+    from the lowest rank that has it. A file two ranks wrote with different bytes is a ``TransferError``."""
+    first: dict[str, tuple[int, str]] = {}
+    out: list[list[str]] = [[] for _ in parts]
+    for rank, files in enumerate(parts):
+        for name, (sha, _) in sorted(files.items()):
+            safe_name(name)
+            if name not in first:
+                first[name] = (rank, sha)
+                out[rank].append(name)
+            elif first[name][1] != sha:
+                raise TransferError(f"ranks {first[name][0]} and {rank} wrote checkpoint file {name} with different "
+                                    "contents")
+    return out
 
 
 @contextmanager

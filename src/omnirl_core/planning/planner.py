@@ -17,8 +17,11 @@ rank; data-parallel ranks hold copies. Tensor parallelism also splits most of a 
 vectors per token instead of 17), sequence parallelism the tokens. An engine that ``keeps_model`` holds the model
 plugin's module whole besides its shards, and gathers every rank's shards after each optimizer step.
 
+Host memory beside a device (``GroupPlan.host``): offloaded encoders, a step's samples on the rollout's worker, the
+CPU copy of the trained weights a weight sync moves. ``omnirl_core.planning.nodes`` adds them up per node.
+
 Not counted: reward models (their own workers or the CPU), the CUDA context and allocator fragmentation (the
-``headroom`` fraction of the device stays free for them), host memory (``plan.memory``).
+``headroom`` fraction of the device stays free for them), the driver's own host memory.
 """
 
 from __future__ import annotations
@@ -61,10 +64,18 @@ class GroupPlan:
     devices: int
     rows: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    host: dict[str, int] = field(default_factory=dict)
+    """What each of the group's workers holds in its node's host memory besides its device (name -> bytes):
+    offloaded encoders, a step's samples, the CPU copy of the trained weights a weight sync moves. Empty on the
+    CPU, where ``rows`` are host memory already."""
 
     @property
     def total(self) -> int:
         return sum(self.rows.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
 
 
 @dataclass
@@ -107,8 +118,8 @@ class MemoryPlan:
             "device_memory": self.device_memory,
             "budget": self.budget,
             "fits": self.fits,
-            "groups": [{"name": g.name, "devices": g.devices, "rows": g.rows, "total": g.total, "notes": g.notes}
-                       for g in self.groups],
+            "groups": [{"name": g.name, "devices": g.devices, "rows": g.rows, "total": g.total, "notes": g.notes,
+                        "host": g.host, "host_total": g.host_total} for g in self.groups],
             "notes": self.notes,
             "fixes": [{"set": s, "largest_total": t} for s, t in self.fixes],
             "tried": self.tried,
@@ -451,6 +462,8 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
                      "ranks holds everything")
     if device_type == "cpu":
         groups[1 if split else 0].rows["samples of a step (outputs, trajectories)"] = rollout_state_bytes(cfg)["total"]
+    else:
+        _host_rows(groups, sizing, cfg, split, trainable * tb)
     preset = cfg.model.preset
     if preset is not None and sizing.preset != preset:
         notes.insert(0, f"these are the released, full-size {resolved.model.name}'s numbers, not the preset "
@@ -463,6 +476,24 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
     if suggest and device_memory is not None and not plan.fits:
         plan.fixes, plan.tried = _fixes(resolved, sizing, device_memory, device_type)
     return plan
+
+
+def _host_rows(groups: list[GroupPlan], sizing: ModelSizing, cfg: RunConfig, split: bool, trained_bytes: int) -> None:
+    """Each group's host memory beside its device: the encoders ``model.offload: cpu`` keeps there (every worker that
+    holds the whole model), a step's samples on the rollout's worker (they wait in its node's object store for the
+    update), and with a separate rollout worker the CPU copy of the trained weights each sync moves (every train
+    rank gathers them whole: ``trained_state``; the rollout worker receives them)."""
+    wb = DTYPE_BYTES[model_dtype(cfg)]
+    offloaded = {f"weights/{name} (offloaded)": sizing.components[name] * wb
+                 for name in sizing.encoders if cfg.model.offload == "cpu"}
+    for group in groups:
+        if group.name == "reference":
+            continue
+        group.host.update(offloaded)
+        if group.name in ("rollout", "actor+rollout"):
+            group.host["samples of a step (outputs, trajectories)"] = rollout_state_bytes(cfg)["total"]
+        if split:
+            group.host["trained weights, CPU copy (weight sync)"] = trained_bytes
 
 
 def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | None = None

@@ -11,6 +11,9 @@ Layout of ``<run>/checkpoints/step-000020/``:
                                                     trained ones (FlowGRPO's EMA): what `omnirl eval` loads
   trainer_state.json                                step, the files the components wrote, the controller's state
   metrics.jsonl                                     the run's metrics rows 1..step, byte for byte
+  storage.json                                      with ``run.storage``: where the workers' files above are stored
+                                                    (instead of here) and their SHA-256 and size
+                                                    (``omnirl_core.rundir.storage``)
   checksums.json                                    SHA-256 of every file above; written last
 
 The protocol: a checkpoint is written into a hidden temporary directory, every file is fsynced, the
@@ -156,13 +159,34 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def stored_name(directory: Path) -> str:
+    """The name of a checkpoint's stored part (``run.storage``) from the temporary directory ``save_checkpoint`` hands
+    the workers: ``step-N-<id>``, a directory of its own for each save."""
+    return "step-" + directory.name.removeprefix(TMP_PREFIX)
+
+
+def stored_entry(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's ``storage.json`` (its workers' files are in ``run.storage``), or None."""
+    from omnirl_core.rundir.storage import STORAGE_FILE
+
+    file = path / STORAGE_FILE
+    return read_json(file) if file.is_file() else None
+
+
+def fallback_hint(path: Path) -> str:
+    """How to go on when checkpoint ``path`` is damaged: the checkpoint before it, or a new run."""
+    earlier = [p.name for _, p in checkpoints(path.parent.parent) if p.name < path.name]
+    return (f"Move '{path}' away to resume from {earlier[-1]}, or start a new run."
+            if earlier else "Start a new run (--output-dir) or remove the damaged checkpoint.")
+
+
 def verify(path: Path) -> dict[str, Any]:
     """Check a checkpoint against its manifest; returns trainer_state.json. Every file in the directory must be in
     the manifest and match its checksum, and the manifest must hold what the format requires: the trainer state,
-    the metrics copy, and every path the components listed as written (``trainer_state.json``'s ``files``)."""
-    earlier = [p.name for _, p in checkpoints(path.parent.parent) if p.name < path.name]
-    fallback = (f"Move '{path}' away to resume from {earlier[-1]}, or start a new run."
-                if earlier else "Start a new run (--output-dir) or remove the damaged checkpoint.")
+    the metrics copy, and every path the components listed as written (``trainer_state.json``'s ``files``). A
+    checkpoint whose workers' files are in ``run.storage`` (``storage.json``): each stored file must be there at its
+    recorded size; the ranks that read them check their SHA-256."""
+    fallback = fallback_hint(path)
     manifest_path = path / CHECKSUMS
     if not manifest_path.is_file():
         raise CheckpointError(f"Checkpoint {path} has no {CHECKSUMS}: it was not written by omnirl's checkpoint "
@@ -185,10 +209,22 @@ def verify(path: Path) -> dict[str, Any]:
                  for name in unlisted]
     problems += [f"  {path / name}: required, but not in {CHECKSUMS}" for name in (TRAINER_STATE, METRICS_COPY)
                  if name not in sums]
+    stored: dict[str, Any] = {}
+    if not problems:  # storage.json is verified now: the stored files must be there
+        from omnirl_core.rundir.storage import missing_or_resized
+
+        entry = stored_entry(path)
+        if entry is not None:
+            try:
+                stored = dict(entry["files"])
+                problems += missing_or_resized(entry)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                problems.append(f"  {path / 'storage.json'}: cannot be read ({type(exc).__name__}: {exc})")
     if not problems:  # trainer_state.json is verified now: the files the components wrote must be listed
         written = read_json(path / TRAINER_STATE).get("files", [])
         for name in written if isinstance(written, list) else []:
-            listed = (any(k.startswith(name) for k in sums) if str(name).endswith("/") else name in sums)
+            listed = (any(k.startswith(name) for k in [*sums, *stored]) if str(name).endswith("/")
+                      else name in sums or name in stored)
             if not listed:
                 problems.append(f"  {path / name}: written by a component, but not in {CHECKSUMS}")
     if problems:
@@ -205,6 +241,13 @@ def load_checkpoint(path: Path, read_state: Callable[[Path], None]) -> dict[str,
     except OmnirlError:
         raise
     except Exception as exc:
+        entry = stored_entry(path)
+        if entry is not None:
+            raise CheckpointError(f"Cannot load checkpoint {path}: its workers' files are stored in "
+                                  f"{entry.get('location')} (run.storage), which this executor does not read: "
+                                  f"{type(exc).__name__}: {exc}",
+                                  hint="Resume with --executor ray (its workers fetch their part from the "
+                                  "storage).") from exc
         raise CheckpointError(f"Cannot load checkpoint {path}: {type(exc).__name__}: {exc}",
                               hint="Its files passed verification, so this omnirl or plugin version reads them "
                               "differently; check `plugins.lock.json` for the versions that wrote it.") from exc

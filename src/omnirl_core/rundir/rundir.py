@@ -28,7 +28,7 @@ _HELD: dict[Path, int] = {}  # run directories this process holds (flock is per 
 RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
-    "run.executor", "run.ray_address", "run.ray_pools", "run.placement", "run.worker_cpus", "run.reward_mode",
+    "run.executor", "run.ray_address", "run.ray_pools", "run.storage", "run.placement", "run.worker_cpus", "run.reward_mode",
     "run.reward_workers",
     "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",
     # deadlines and patience: how long to wait for a reward, not what it computes
