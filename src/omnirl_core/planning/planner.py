@@ -347,6 +347,14 @@ def trained_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
     return whole + sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
 
 
+def base_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
+    """With LoRA: the frozen base weights one rank of a model-parallel engine holds in its own layout, split as
+    ``trained_per_rank`` splits a full fine-tuning's: the tensor-split layers and the experts. It leaves out the few
+    weights every rank holds whole (norms, a MoE router), which a LoRA sizing does not count apart."""
+    tp, ep = degrees.get("tensor", 1), degrees.get("expert", 1)
+    return sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
+
+
 def degrees_text(degrees: dict[str, int]) -> str:
     return ", ".join(f"{kind} {degree}" for kind, degree in degrees.items())
 
@@ -406,6 +414,8 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
         if engine.keeps_model:
             weights(actor, 1)  # the model's module, whole, besides the engine's own shards
             actor[f"weights ({engine.name} shards)"] = per_rank * tb
+            if sizing.lora:  # the engine's own layout holds the frozen base too, besides its adapter shards
+                actor[f"weights ({engine.name} frozen base shards)"] = base_per_rank(sizing, degrees) * wb
             # after each optimizer step: every rank's shards gathered, and the whole weights rebuilt from them
             export = ((ranks + 1) * per_rank + trainable) * tb
         else:

@@ -176,8 +176,9 @@ def test_lora_on_other_modules_is_refused_by_name():
     assert "also adapts lm_head, model.audio_tower.layers.0.fc1." in info.value.render()
 
 
-def _plan(options: dict, ranks: int = 2):
-    """``omnirl plan``'s numbers for rank_job.py's megatron runs: the tiny thinker, full fine-tuning, ``ranks`` train ranks."""
+def _plan(options: dict, ranks: int = 2, lora: bool = False):
+    """``omnirl plan``'s numbers for rank_job.py's megatron runs: the tiny thinker, full fine-tuning (or the default
+    LoRA), ``ranks`` train ranks."""
     from omnirl_core.planning.planner import plan_memory
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
@@ -185,7 +186,7 @@ def _plan(options: dict, ranks: int = 2):
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo",
                           "omnirl_plugin_transformers", "omnirl_plugin_megatron", "omnirl_plugin_answer_match"])
-    layer = {"model": {"name": "qwen3-omni", "preset": "tiny", "lora": {"enabled": False}},
+    layer = {"model": {"name": "qwen3-omni", "preset": "tiny", "lora": {"enabled": lora}},
              "algorithm": {"name": "gspo"}, "train": {"engine": "megatron", "options": options},
              "run": {"device": "cpu", "executor": "ray", "placement": "split", "train_workers": ranks}}
     return plan_memory(resolve_run(manager, [layer], probe_device=False), None)
@@ -211,6 +212,10 @@ def test_the_memory_plan_holds_what_each_rank_of_the_engine_holds(runs: dict[str
         assert actor.rows["weights/thinker"] == rank["module"]
     whole = _plan({"tensor_parallel": 1})  # data parallel: every rank holds every trained weight
     assert actor.rows["weights (megatron shards)"] < whole.groups[0].rows["weights (megatron shards)"]
+    # with LoRA each rank holds the same base shards, frozen: planned without the few weights held whole (norms)
+    frozen = next(g for g in _plan(LAYOUTS[layout], lora=True).groups if g.name == "actor").rows[
+        "weights (megatron frozen base shards)"]
+    assert 0.999 * held[0]["megatron_params"] <= frozen <= held[0]["megatron_params"]
 
 
 def test_the_memory_plan_refuses_a_degree_the_ranks_or_the_model_cannot_take():
