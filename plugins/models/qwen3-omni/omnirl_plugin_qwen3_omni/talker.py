@@ -267,9 +267,12 @@ class Qwen3OmniTalker(CausalLMPolicy):
         predictor = self.talker.code_predictor
         embeddings = predictor.get_input_embeddings()
         sel = spoken.nonzero()[:, 0]
-        x = torch.stack([h[sel], self.talker.get_input_embeddings()(codes[sel, 0]),
-                         *[embeddings[j - 1](codes[sel, j]) for j in range(1, self.groups - 1)]], dim=1)
-        out = predictor.model(inputs_embeds=x, use_cache=False).last_hidden_state  # (M, K, H)
+        if len(sel):
+            x = torch.stack([h[sel], self.talker.get_input_embeddings()(codes[sel, 0]),
+                             *[embeddings[j - 1](codes[sel, j]) for j in range(1, self.groups - 1)]], dim=1)
+            out = predictor.model(inputs_embeds=x, use_cache=False).last_hidden_state  # (M, K, H)
+        else:  # every row stopped at its first frame: no residual codes to score (the predictor takes no empty batch)
+            out = h.new_zeros(0, self.groups, predictor.lm_head[0].in_features)
         logits0 = self.talker.codec_head(h)
         residual_logits = [predictor.lm_head[j - 1](out[:, j]) for j in range(1, self.groups)]
         row_of = torch.cat([torch.full((len(f),), i) for i, f in enumerate(frames)])

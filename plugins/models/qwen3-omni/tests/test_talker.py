@@ -158,6 +158,19 @@ def test_frame_logprob_is_the_sum_of_codebook_references(talker64: Qwen3OmniTalk
     assert all(len(p) == TINY_CODE_GROUPS for p in reference[:-1])
 
 
+def test_rows_that_stopped_at_their_first_frame_score_alone(talker64: Qwen3OmniTalker):
+    """A micro-batch in which every sample is only its end-of-speech frame has no residual codes: the code predictor
+    is not called (it refuses an empty batch), and each frame's log-prob is its first codebook's."""
+    [sample] = list(_engine(talker64, max_new_tokens=6).generate(_requests(TEXTS[3:4])))
+    eos = sample.completion[-1:].clone()
+    eos[0, 0], eos[0, 1:] = talker64.codec_eos, NO_CODE
+    with torch.no_grad():
+        alone = talker64.token_logprobs([sample.prompt_tokens] * 2, [eos, eos], [sample.sampling] * 2)
+        mixed = talker64.token_logprobs([sample.prompt_tokens] * 2, [eos, sample.completion], [sample.sampling] * 2)
+    assert [len(a) for a in alone] == [1, 1] and torch.isfinite(alone[0]).all()
+    assert torch.equal(alone[0], alone[1]) and torch.allclose(alone[0], mixed[0], rtol=0, atol=1e-9)  # float64
+
+
 def test_trained_lora_loads_into_the_omni_model_and_changes_its_codes(omni_dir: Path, tmp_path: Path):
     from peft import PeftModel
     from transformers import Qwen3OmniMoeForConditionalGeneration
