@@ -136,10 +136,12 @@ def evaluate(run_dir: str | Path | None = None, *, config: Config | None = None,
     evaluator = ev.Evaluator(resolved)
     results = []
     if weights is None or compare == "base":
-        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "base"))
+        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "base",
+                                   displays=evaluator.displays))
     if weights is not None:
         evaluator.load(weights, trained=trained_weights)
-        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "trained"))
+        results.append(ev.evaluate(evaluator.generate, records, cfg, samples, seed, "trained",
+                                   displays=evaluator.displays))
     comparison = ev.compare(results[0], results[1]) if len(results) == 2 else None
     step = ev.checkpoint_step(weights)
     root = Path(output_dir) if output_dir else run_path if run_path else ev.default_eval_dir(resolved)

@@ -11,7 +11,22 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class ScoreDisplay:
+    """A quantity an evaluation shows beside a reward's score, an affine function of it: ``scale * score +
+    offset`` (asr-error's ``cer`` is ``1 - score``). Written per sample, per prompt and overall as
+    ``<reward>/<name>`` (``asr-error/cer``); a negative ``scale`` means lower is better."""
+
+    name: str
+    scale: float = 1.0
+    offset: float = 0.0
+
+    def __call__(self, score: float) -> float:
+        return self.scale * score + self.offset
 
 
 class Reward(ABC):
@@ -29,6 +44,17 @@ class Reward(ABC):
 
     capacity: int = 1
     """With ``asynchronous``: how many samples it scores at once (e.g. a judge's requests in flight)."""
+
+    display: ScoreDisplay | None = None
+    """What an evaluation shows beside the score (a raw error rate where the score is 1 - error); None: the score
+    alone. A reward whose display depends on its options overrides ``display_for`` instead."""
+
+    @classmethod
+    def display_for(cls, options: Any) -> ScoreDisplay | None:
+        """The display of a reward built with ``options`` (its validated options, or None), read from the class
+        without building the reward (an evaluation runs where the rewards are not, e.g. on Ray). ``display``
+        by default."""
+        return cls.display
 
     @abstractmethod
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], **kwargs: object) -> list[float]:

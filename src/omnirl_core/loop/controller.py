@@ -189,13 +189,13 @@ class Controller:
         """The held-out evaluation after step ``step``'s update (``omnirl_core.loop.evaluation``): the first
         ``run.eval_prompts`` test prompts, ``run.eval_samples`` fixed seeds each, the ODE sampler; returns
         its ``eval/*`` metrics and writes ``eval/step-N/``."""
-        from omnirl_core.loop.evaluation import eval_settings, evaluate, write_results
+        from omnirl_core.loop.evaluation import eval_settings, evaluate, reward_displays, write_results
 
         cfg = self.cfg
         t0 = time.perf_counter()
         records = (self.data.test or [])[:cfg.run.eval_prompts]
         result = evaluate(lambda requests: self.executor.rollout(requests, evaluation=True)[0], records, cfg,
-                          cfg.run.eval_samples, cfg.run.seed, label="trained")
+                          cfg.run.eval_samples, cfg.run.seed, label="trained", displays=reward_displays(self.resolved))
         settings = eval_settings(cfg, step=step, checkpoint=None, weights=None, during_training=True,
                                  prompts=self.data.source, test_prompts=len(records), samples=cfg.run.eval_samples,
                                  seed=cfg.run.seed)

@@ -7,6 +7,10 @@ sample number), so two models evaluated on the same prompts see the very same in
 scores pair up sample by sample: ``compare`` reports the mean difference with its paired standard error.
 An autoregressive model samples with its engine's settings and the same fixed seeds.
 
+Beside each reward's score, a reward may declare a quantity to show (``Reward.display_for``: an affine function of
+the score, e.g. asr-error's raw CER = 1 - score), written as the metric ``<reward>/<name>`` per sample, per prompt
+and overall, and compared like the scores.
+
 Used by ``omnirl eval`` (base model, a checkpoint, or a LoRA directory) and by the controller during training
 (``run.eval_every``: the test split, logged as ``eval/*`` in the step's metrics row).
 """
@@ -17,12 +21,14 @@ import hashlib
 import json
 import math
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
+from omnirl_core.contracts import GenRequest, Reward, RolloutPlan, Sample
+from omnirl_core.contracts.reward import ScoreDisplay
 from omnirl_core.errors import UsageError
 from omnirl_core.rundir.checkpoint import write_atomic
 
@@ -53,6 +59,24 @@ def eval_seed(seed: int, prompt: str, k: int) -> int:
     return int.from_bytes(digest[:8], "big") % (2**62)
 
 
+def reward_displays(resolved: ResolvedRun) -> dict[str, ScoreDisplay]:
+    """What each reward of the run shows beside its score (``Reward.display_for`` of its options), by reward
+    name; read from the reward's class, so nothing is built (a factory that is a plain function shows none)."""
+    out = {}
+    for i, (entry, spec) in enumerate(zip(resolved.config.rewards, resolved.rewards)):
+        factory = spec.load_factory()
+        if isinstance(factory, type) and issubclass(factory, Reward):
+            display = factory.display_for(resolved.options.get(f"rewards.{i}.options"))
+            if display is not None:
+                out[entry.name] = display
+    return out
+
+
+def displayed_metric(reward: str, display: ScoreDisplay) -> str:
+    """The metric name of a reward's displayed quantity: ``asr-error/cer``."""
+    return f"{reward}/{display.name}"
+
+
 def eval_requests(records: list[dict[str, Any]], cfg: RunConfig, samples_per_prompt: int,
                   seed: int) -> list[GenRequest]:
     plan = ode_plan(eval_steps(cfg))
@@ -79,12 +103,20 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 @dataclass
 class EvalResult:
-    """One model's scores: a row per sample (prompt, sample number, seed, every reward and the total)."""
+    """One model's scores: a row per sample (prompt, sample number, seed, every reward, the total, and what a
+    reward displays beside its score: ``displays``, by metric name)."""
 
     label: str
     metrics: list[str]
     rows: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
+    displays: dict[str, tuple[str, ScoreDisplay]] = field(default_factory=dict)
+    """``asr-error/cer`` -> (``asr-error``, its ``ScoreDisplay``): the metric is that reward's score displayed."""
+
+    def displayed(self) -> dict[str, dict[str, Any]]:
+        """The displayed metrics as ``results.json`` records them: reward, scale, offset, lower_is_better."""
+        return {m: {"reward": reward, "scale": d.scale, "offset": d.offset, "lower_is_better": d.scale < 0}
+                for m, (reward, d) in self.displays.items()}
 
     def values(self, metric: str) -> list[float]:
         return [r[metric] for r in self.rows if metric in r and math.isfinite(r[metric])]
@@ -120,8 +152,10 @@ class EvalResult:
         return out
 
 
-def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int, int]) -> list[dict[str, Any]]:
+def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int, int],
+               displays: dict[str, ScoreDisplay] | None = None) -> list[dict[str, Any]]:
     rows = []
+    displays = displays or {}
     for s in sorted(samples, key=lambda s: s.request.uid):
         row: dict[str, Any] = {"prompt": s.prompt, "sample": seeds_k[s.request.uid], "seed": s.request.seed}
         if s.condition_images:  # an edit: its source, beside its scores
@@ -129,6 +163,8 @@ def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int
         for name in reward_names:
             if name in s.rewards:
                 row[name] = float(s.rewards[name])
+                if name in displays:
+                    row[displayed_metric(name, displays[name])] = displays[name](row[name])
         if s.rewards:
             row[TOTAL] = float(s.reward)
         rows.append(row)
@@ -136,15 +172,19 @@ def score_rows(samples: list[Sample], reward_names: list[str], seeds_k: dict[int
 
 
 def evaluate(generate: Callable[[list[GenRequest]], list[Sample]], records: list[dict[str, Any]], cfg: RunConfig,
-             samples_per_prompt: int, seed: int, label: str) -> EvalResult:
-    """``generate(requests)`` returns the scored samples (a run's executor, or ``Evaluator``)."""
+             samples_per_prompt: int, seed: int, label: str,
+             displays: dict[str, ScoreDisplay] | None = None) -> EvalResult:
+    """``generate(requests)`` returns the scored samples (a run's executor, or ``Evaluator``). ``displays``: what
+    each reward shows beside its score (``reward_displays``), by reward name."""
     if not records:
         raise UsageError("No prompts to evaluate on.", hint="Give held-out prompts (data.test_prompts, --prompts).")
     requests = eval_requests(records, cfg, samples_per_prompt, seed)
     samples = sorted(generate(requests), key=lambda s: s.request.uid)
     names = [e.name for e in cfg.rewards]
-    result = EvalResult(label=label, metrics=[TOTAL, *names])
-    result.rows = score_rows(samples, names, {r.uid: r.uid % samples_per_prompt for r in requests})
+    shown = {n: d for n, d in (displays or {}).items() if n in names}
+    result = EvalResult(label=label, metrics=[TOTAL, *names, *(displayed_metric(n, d) for n, d in shown.items())],
+                        displays={displayed_metric(n, d): (n, d) for n, d in shown.items()})
+    result.rows = score_rows(samples, names, {r.uid: r.uid % samples_per_prompt for r in requests}, shown)
     result.outputs = [s.output for s in samples]
     return result
 
@@ -230,15 +270,19 @@ def eval_settings(cfg: RunConfig, *, step: int, checkpoint: str | None, weights:
 def write_results(directory: Path, results: list[EvalResult], settings: dict[str, Any],
                   comparison: dict[str, dict[str, float]] | None = None, samples_per_prompt: int = 1) -> Path:
     """``directory/results.json`` (settings, each model's summary and per-prompt means, every sample's scores,
-    the comparison) and ``directory/<label>.png`` grids (speech: ``directory/<label>/NNNN.wav``, every sample,
+    the metrics displayed beside a reward's score, the comparison) and ``directory/<label>.png`` grids (speech: ``directory/<label>/NNNN.wav``, every sample,
     listed in ``directory/<label>.jsonl`` and named in the sample rows and per-prompt entries)."""
     directory.mkdir(parents=True, exist_ok=True)
     models = {}
+    displayed: dict[str, dict[str, Any]] = {}
     for result in results:
+        displayed.update(result.displayed())
         grid = _grid(result, samples_per_prompt, directory / f"{result.label}.png")
         models[result.label] = {"summary": result.summary(), "per_prompt": result.per_prompt(), "samples": result.rows,
                                 "grid": grid.name if grid else None}
     data = {**settings, "models": models}
+    if displayed:
+        data["displayed"] = displayed
     if comparison is not None:
         data["compare"] = comparison
     path = directory / "results.json"
@@ -256,6 +300,8 @@ class Evaluator:
         self.resolved = resolved
         self.worker = Worker(resolved, {"rollout"})
         self.worker.setup()
+        self.displays = reward_displays(resolved) if score else {}
+        """What each reward shows beside its score, for ``evaluate(..., displays=)``."""
         self.rewards = None
         if score:
             from omnirl_core.loop.executors import build_rewards
@@ -268,13 +314,22 @@ class Evaluator:
         that holds evaluation weights (``eval-weights/``: an algorithm's EMA of the trained weights, as
         FlowGRPO's ``ema`` keeps) gives those, unless ``trained``."""
         from omnirl_core.algorithm import EVAL_WEIGHTS
-        from omnirl_core.rundir.checkpoint import CHECKSUMS, verify
+        from omnirl_core.rundir.checkpoint import CHECKSUMS, stored_entry, verify
+        from omnirl_core.rundir.storage import fetch
 
         if (directory / CHECKSUMS).is_file():
             verify(directory)
-        source = directory
-        if not trained and (directory / EVAL_WEIGHTS).is_dir():
-            source = directory / EVAL_WEIGHTS
+        entry = stored_entry(directory) if (directory / CHECKSUMS).is_file() else None
+        with tempfile.TemporaryDirectory(prefix="omnirl-eval-") as scratch:
+            base = directory
+            if entry is not None:  # run.storage: the workers' files, the weights among them, are in the storage
+                fetch(entry, sorted(entry["files"]), Path(scratch))  # each checked against its SHA-256
+                base = Path(scratch)
+            weights = EVAL_WEIGHTS if not trained and (base / EVAL_WEIGHTS).is_dir() else ""
+            self._load_from(directory, base / weights if weights else base)
+        self.loaded = str(directory / weights if weights else directory)
+
+    def _load_from(self, directory: Path, source: Path) -> None:
         try:
             self.worker.model.load_trained(source)
         except FileNotFoundError as exc:
@@ -285,7 +340,6 @@ class Evaluator:
             raise UsageError(f"The weights in '{directory}' do not fit this model: {str(exc)[:300]}",
                              hint="Evaluate with the model, preset and LoRA settings the weights were trained "
                              "with (a run directory's config.yaml has them).") from None
-        self.loaded = str(source)
 
     def generate(self, requests: list[GenRequest], score: bool = True) -> list[Sample]:
         samples = list(self.worker.generate(requests))

@@ -2,7 +2,7 @@
 pictures PNG data URLs, speech WAV data URLs in ``<audio controls>`` players). Curves of the reward (with its
 spread), the held-out evaluation, KL, clip fraction, loss and the time split of a step; the sample grids over time
 (speech: a player beside each sample's text); the evaluations' tables and grids (speech: per sample, its scores
-and a player)."""
+and a player), with what a reward displays beside its score (asr-error's CER) named as such."""
 
 from __future__ import annotations
 
@@ -228,6 +228,23 @@ def _speech_table(lines: list[dict[str, Any]], folder: Path, metrics: list[str])
     return _html_table(rows, ["text", "seconds", *metrics, "audio"])
 
 
+def _displayed_label(metric: str, displayed: dict[str, Any]) -> str:
+    """A metric's row label; a displayed one says what it is of the score: ``asr-error/cer = 1 - asr-error (lower
+    is better)``."""
+    d = displayed.get(metric)
+    if not isinstance(d, dict) or not all(_finite(d.get(k)) for k in ("scale", "offset")):
+        return metric
+    reward, scale, offset = str(d.get("reward", "score")), float(d["scale"]), float(d["offset"])
+    term = reward if scale == 1 else f"-{reward}" if scale == -1 else f"{scale:g} x {reward}"
+    if offset and scale == -1:
+        formula = f"{offset:g} - {reward}"
+    elif offset:
+        formula = f"{term} {'+' if offset > 0 else '-'} {abs(offset):g}"
+    else:
+        formula = term
+    return f"{metric} = {formula} ({'lower' if scale < 0 else 'higher'} is better)"
+
+
 def _evaluations(run_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     out = []
     for path in sorted((run_dir / "eval").glob("*/results.json")):
@@ -245,8 +262,9 @@ def _eval_section(run_dir: Path) -> str:
         rows = []
         compare = data.get("compare") or {}
         metrics = next(iter(models.values()), {}).get("summary", {}).keys() if models else []
+        displayed = data.get("displayed") or {}
         for metric in metrics:
-            row = [metric]
+            row = [_displayed_label(metric, displayed)]
             for label in models:
                 s = models[label]["summary"].get(metric, {})
                 row.append(f"{s.get('mean', float('nan')):.4f} ± {s.get('se', float('nan')):.4f}")

@@ -1,6 +1,7 @@
 """asr-error: the error rates equal jiwer's on the same normalised strings; the normalisation; the transcripts
-equal transformers' ASR pipeline on the tiny random-weight Whisper; the preset saved and loaded from a directory
-scores the same; resampling; loading errors; HF_HUB_OFFLINE."""
+equal transformers' ASR pipeline on the tiny random-weight Whisper; metric=logprob equals Whisper's own
+cross-entropy loss on the text; the raw error rate an evaluation displays; the preset saved and loaded from a
+directory scores the same; resampling; loading errors; HF_HUB_OFFLINE."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from omnirl_plugin_asr_error.text import cardinal, edit_distance, error_rate, no
 from omnirl_plugin_asr_error.tiny import tiny_whisper_directory
 
 from omnirl_core.contracts.data import Speech
+from omnirl_core.contracts.reward import ScoreDisplay
 from omnirl_core.errors import UsageError
 from omnirl_core.testing import check_import_is_cheap, check_reward, offline_error
 
@@ -106,7 +108,10 @@ def test_score_is_one_minus_the_error_clipped_or_not():
     cer = [error_rate(TEXT, t, "char") for t in transcripts]
     assert cer[0] == 0 and cer[1] == pytest.approx(1 / 21) and cer[2] > 1
     assert fixed(AsrErrorOptions(), transcripts)(outputs, [TEXT] * 3) == [1.0, pytest.approx(20 / 21), 0.0]
-    assert fixed(AsrErrorOptions(clip=False), transcripts)(outputs, [TEXT] * 3)[2] == pytest.approx(1 - cer[2])
+    unclipped = fixed(AsrErrorOptions(clip=False), transcripts)(outputs, [TEXT] * 3)
+    assert unclipped[2] == pytest.approx(1 - cer[2])
+    display = AsrError.display_for(AsrErrorOptions(clip=False))  # what `omnirl eval` shows beside the score
+    assert [display(s) for s in unclipped] == pytest.approx(cer, abs=1e-12)
     wer = fixed(AsrErrorOptions(metric="wer"), transcripts)(outputs, [TEXT] * 3)
     assert wer[:2] == [1.0, pytest.approx(1 - 1 / 5)]
 
@@ -174,3 +179,32 @@ def test_empty_and_over_30_s_waveforms_are_scored(tiny: AsrError):
     outputs = [Speech(torch.zeros(0), 24000, TEXT), Speech(0.1 * torch.randn(24000 * 35), 24000, TEXT)]
     scores = tiny(outputs, [TEXT] * 2)
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
+
+
+def test_an_evaluation_displays_the_raw_error_rate():
+    assert AsrError.display_for(AsrErrorOptions()) == ScoreDisplay("cer", scale=-1.0, offset=1.0)
+    assert AsrError.display_for(None) == ScoreDisplay("cer", scale=-1.0, offset=1.0)
+    assert AsrError.display_for(AsrErrorOptions(metric="wer")) == ScoreDisplay("wer", scale=-1.0, offset=1.0)
+    assert AsrError.display_for(AsrErrorOptions(metric="logprob")) is None
+
+
+def test_logprob_is_whispers_own_loss_on_the_text_and_follows_the_audio():
+    reward = AsrError(AsrErrorOptions(preset="tiny", device="cpu", metric="logprob", batch_size=2))
+    same_text = reward(_waves(), [TEXT] * 3)
+    assert len(set(same_text)) == 3 and all(s < 0 for s in same_text), same_text  # the audio moves it
+    texts = [TEXT, "The train leaves at 7:45, from platform 3.", "Is it?"]  # lengths differ: padded batches
+    outputs = [Speech(o.waveform, o.sample_rate, t) for o, t in zip(_waves(), texts)]
+    scores = reward(outputs, texts)
+    tokenizer, model = reward.processor.tokenizer, reward.model
+    prefix = tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|en|>", "<|transcribe|>",
+                                              "<|notimestamps|>"])
+    for output, score in zip(outputs, scores):
+        features = reward.processor.feature_extractor(to_whisper_rate(output), sampling_rate=16000,
+                                                      return_tensors="pt").input_features
+        target = [*tokenizer(" " + output.text, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+        with torch.no_grad():  # transformers' cross-entropy over the labels, the prefix masked out
+            loss = model(input_features=features, decoder_input_ids=torch.tensor([prefix + target[:-1]]),
+                         labels=torch.tensor([[-100] * (len(prefix) - 1) + target])).loss
+        assert score == pytest.approx(-float(loss), abs=1e-5)
+    with pytest.raises(UsageError, match="language is None, not one of the checkpoint"):
+        AsrError(AsrErrorOptions(preset="tiny", device="cpu", metric="logprob", language=None))
