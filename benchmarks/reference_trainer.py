@@ -189,7 +189,10 @@ def run_omnirl(work: Path, index: str, args) -> dict:
     phases = {k: statistics.fmean(r[k] for r in rows if r["step"] > args.skip)
               for k in ("time/rollout_s", "time/reward_s", "time/train_s")}
     return {"trainer": "omnirl", "load_avg_1m_at_start": load, "wall_s": time.perf_counter() - t0,
-            "step_s": steps, "phases_s": phases, "threads": rows[-1].get("rollout/threads")}
+            "step_s": steps, "phases_s": phases, "threads": rows[-1].get("rollout/threads"),
+            # the adaptive policy's pool per timed step and the wait share that set it (absent on a fixed pool)
+            "torch_threads": [r.get("threads/torch") for r in rows if "time/step_s" in r and r["step"] > args.skip],
+            "wait_share": [r.get("threads/wait_share") for r in rows if "time/step_s" in r and r["step"] > args.skip]}
 
 
 def run_flow_grpo(work: Path, index: str, args) -> dict:

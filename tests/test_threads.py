@@ -108,12 +108,13 @@ class _Clock:
         return {"1": (self.run, self.wait)}
 
 
-def _governor(ceiling: int = 4):
+def _governor(ceiling: int = 4, machine_cpus: int | None = None):
     clock, applied = _Clock(), []
     gov = threads.ThreadGovernor(ceiling, sample=clock, apply=applied.append, probe=lambda: gov.others,
-                                 machine_cpus=ceiling)
-    # scripted: other processes' runnable tasks at the next observation (1: they neither fill every core nor
-    # leave the machine free; the ceiling: they fill it; 0: none)
+                                 machine_cpus=machine_cpus or 2 * ceiling)
+    # scripted: other processes' runnable tasks at the next observation (1: on a machine of twice the ceiling's
+    # cores they leave room for the whole pool and do not leave the machine free; machine_cpus: they fill it;
+    # 0: none)
     gov.others = 1
     return gov, clock, applied
 
@@ -167,7 +168,7 @@ def test_governor_gives_up_a_thread_at_once_when_other_processes_fill_every_core
     gov, clock, applied = _governor(2)
     clock.phase(1.0, 0.0)
     assert gov.observe() == 2 and not gov.cpus_taken
-    gov.others = 2
+    gov.others = gov.machine_cpus
     clock.phase(1.0, 0.0)  # a quiet last step, but the cores are taken now
     assert gov.observe() == 1 and gov.cpus_taken
     clock.phase(1.0, 0.0)  # quiet on one thread (the other core is ours alone): no thread back while taken
@@ -176,7 +177,7 @@ def test_governor_gives_up_a_thread_at_once_when_other_processes_fill_every_core
     clock.phase(1.0, 0.0)
     assert gov.observe() == 2  # the load has gone
     assert applied == [2, 1, 1, 2]
-    gov.others = 2
+    gov.others = gov.machine_cpus
     clock.phase(0.01, 0.0)  # too short a step to judge the wait: the machine still counts
     assert gov.observe() == 1
 
@@ -202,9 +203,42 @@ def test_governor_takes_a_thread_back_at_once_when_no_other_process_runs():
     assert applied == [1, 1, 2, 1, 1, 1, 2]
 
 
+def test_governor_leaves_the_cores_a_partial_load_takes():
+    """One busy process on two cores: the pool shrinks to the core it leaves at once, takes no thread back while
+    the process stays (the one thread has its own core, so it never waits: the wait alone would take the thread
+    back every few steps), and takes it back when the process has gone."""
+    gov, clock, applied = _governor(2, machine_cpus=2)
+    gov.others = 0
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 2 and gov.room == 2
+    gov.others = 1
+    for _ in range(6):
+        clock.phase(1.0, 0.0)
+        assert gov.observe() == 1 and gov.room == 1 and not gov.cpus_taken
+    gov.others = 0
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 2
+    assert applied == [2, 1, 1, 1, 1, 1, 1, 2]
+
+
+def test_governor_shrinks_to_the_room_at_once_on_a_large_machine(caplog):
+    gov, clock, _ = _governor(8, machine_cpus=8)
+    gov.others = 6
+    with caplog.at_level("WARNING", logger="omnirl"):
+        clock.phase(1.0, 0.0)
+        assert gov.observe() == 2
+    said = [r.getMessage() for r in caplog.records if r.name == "omnirl"]
+    assert len(said) == 1 and "leave 2 of the machine's 8 CPUs" in said[0] and "2 thread(s) instead of 8" in said[0]
+    gov.others = 5  # room for one more: it comes back after a quiet step
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 3
+    clock.phase(1.0, 0.0)
+    assert gov.observe() == 3  # no room for a fourth
+
+
 def test_governor_says_why_when_the_machine_made_it_give_up_a_thread(caplog):
     gov, clock, _ = _governor(2)
-    gov.others = 2
+    gov.others = gov.machine_cpus
     with caplog.at_level("WARNING", logger="omnirl"):
         clock.phase(1.0, 0.0)
         gov.observe()
@@ -235,8 +269,8 @@ def test_cpus_taken_counts_other_processes_runnable_tasks(tmp_path):
     counts = []
     for running in (1, 2, 3, 4, 6):
         loadavg.write_text(f"1.00 0.50 0.20 {running}/80 1234\n")
-        counts.append(threads.others_runnable(2, gap_s=0.0, loadavg=loadavg, task_dir=tasks))
-    assert counts == [0, 1, 1, 2, 4]  # the reader; then the others, less our running threads where it matters
+        counts.append(threads.others_runnable(gap_s=0.0, loadavg=loadavg, task_dir=tasks))
+    assert counts == [0, 0, 1, 2, 4]  # the reader; then the others, less our running threads
     loadavg.write_text("garbage")
     assert threads.cpus_taken(2, loadavg=loadavg, task_dir=tasks) is None
 
@@ -333,8 +367,8 @@ def test_the_default_run_rejudges_its_pool_once_per_step_and_reports_it(tmp_path
         assert gov is not None and gov.ceiling == threads.available_cpus()
         clock = _Clock()
         gov.sample, gov._last = clock, clock()
-        # the machine as the governor probes it, scripted too: another process runnable, no core left free and
-        # none filled (the real probe would see an idle machine at times and take the thread back at once)
+        # the machine as the governor probes it, scripted too: another process runnable, so the machine is never
+        # free (the real probe would see an idle machine at times and take the thread back at once)
         gov.probe = lambda: 1
         observed, update_pools = [], []
         observe = gov.observe

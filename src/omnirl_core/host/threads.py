@@ -16,12 +16,13 @@ By default (``run.threads: adaptive``) the pool also follows the load: at each s
 rollout; a step's rollout and update run on the same pool) a ``ThreadGovernor`` reads how long this process's
 threads waited for a CPU while they were runnable (the kernel's per-thread schedstat) and gives up a torch thread
 while they wait much of the time, taking it back once they stop waiting; and where this process sees the whole
-machine, it gives one up at once when other processes' runnable tasks fill every core right then, and takes one
-back at once when no other process has a runnable task (the load has gone). Other processes' load is seen through
-its effect on us, so it works the same in a container whose cgroup has a few CPUs of a busy host. On a quiet machine
-the pool stays at its full size. Under a competing load of one busy thread per core a fixed pool's step took
-2.2-3.4x its quiet time on 2 cores (barriers wait for a thread the scheduler has taken off its core), the adaptive
-one 1.7-2.1x (``benchmarks/README.md``).
+machine, it never keeps more threads than the cores other processes' runnable tasks leave right then (one busy
+process on two cores: one thread), and takes one back at once when no other process has a runnable task (the load
+has gone). Where it sees only part of the machine (an affinity mask, a cgroup quota), other processes' load is seen
+through its effect on us alone, the wait. On a quiet machine the pool stays at its full size. Under a competing load
+of one busy thread per core a fixed pool's step took 2.2-3.4x its quiet time on 2 cores (barriers wait for a thread
+the scheduler has taken off its core), the adaptive one 1.7-2.1x; beside one busy process on 2 cores, 1 thread
+beat 2 (``benchmarks/README.md``, reference_trainer).
 
 What it costs: floating-point reductions split over threads, so where the thread count changes a sum's order
 the numbers change with the load (in the last bits, then through training). Whether they do depends on the
@@ -96,17 +97,15 @@ def own_schedstat(task_dir: Path = Path("/proc/self/task")) -> dict[str, tuple[i
     return out
 
 
-def others_runnable(cpus: int | None = None, reads: int = 3, gap_s: float = 0.001,
-                    loadavg: Path = Path("/proc/loadavg"), task_dir: Path = Path("/proc/self/task")) -> int | None:
+def others_runnable(reads: int = 3, gap_s: float = 0.001, loadavg: Path = Path("/proc/loadavg"),
+                    task_dir: Path = Path("/proc/self/task")) -> int | None:
     """How many of other processes' tasks are running or waiting for a CPU right now: the kernel's count of
-    runnable tasks (``/proc/loadavg``) less this process's own. While they fill ``cpus`` CPUs (default: every core
-    of the machine) it reads again, ``reads`` times ``gap_s`` apart, and gives the fewest (a burst of some daemon
-    passes); a read below that answers at once (a quiet machine costs one read). Machine-wide, so None where this
-    process does not see the whole machine (an affinity mask or a cgroup quota: the others may run on CPUs it does
-    not use), or where it cannot be read."""
+    runnable tasks (``/proc/loadavg``) less this process's own. While it sees any, it reads again, ``reads`` times
+    ``gap_s`` apart, and gives the fewest (a burst of some daemon passes; a busy process stays); a quiet machine
+    costs one read. Machine-wide, so None where this process does not see the whole machine (an affinity mask or a
+    cgroup quota: the others may run on CPUs it does not use), or where it cannot be read."""
     if available_cpus() != (os.cpu_count() or 1):
         return None
-    cpus = cpus or available_cpus()
     fewest: int | None = None
     for i in range(reads):
         if i:
@@ -116,7 +115,7 @@ def others_runnable(cpus: int | None = None, reads: int = 3, gap_s: float = 0.00
         except (OSError, ValueError, IndexError):
             return None
         others = running - 1  # the reading thread is one of them
-        if others >= cpus:  # maybe: less the other threads of ours that run now
+        if others > 0:  # maybe: less the other threads of ours that run now
             mine = 0
             try:
                 for tid in os.listdir(task_dir):
@@ -129,7 +128,7 @@ def others_runnable(cpus: int | None = None, reads: int = 3, gap_s: float = 0.00
                 return None
             others = running - max(mine, 1)
         fewest = others if fewest is None else min(fewest, others)
-        if fewest < cpus:
+        if fewest <= 0:
             break
     return max(0, fewest or 0)
 
@@ -138,7 +137,7 @@ def cpus_taken(cpus: int | None = None, **probe: Any) -> bool | None:
     """Whether other processes' tasks alone, running or waiting for a CPU right now, fill ``cpus`` CPUs (default:
     every core of the machine); ``others_runnable`` (its arguments) counts them; None where it cannot."""
     cpus = cpus or available_cpus()
-    others = others_runnable(cpus, **probe)
+    others = others_runnable(**probe)
     return None if others is None else others >= cpus
 
 
@@ -151,13 +150,17 @@ class ThreadGovernor:
     back that makes the wait jump again at once doubles the patience (up to 32 steps), so a load that leaves
     room for some but not all threads does not flip the count every step. Steps with less than
     ``min_cpu_s`` of CPU time are added to the next one. It also looks at the machine right now (``probe``,
-    ``others_runnable``): when other processes' runnable tasks alone fill every core of the machine (not just the
-    ``ceiling``: other ranks of the run may compute on the rest), it gives up a thread at once and takes none
-    back, so a load that began between two steps is answered at the first step it loads, not one step later; when
-    no other process has a runnable task, a thread it gave up comes back at once (unless taking one back has just
-    made the wait return: the patience above), so the first step after a load has gone runs on the threads it
-    regained, not on the loaded step's count. The first time it gives up a thread it says so (once per process),
-    with the fixed count that keeps a run reproducible bit for bit."""
+    ``others_runnable``): the cores other processes' runnable tasks leave (``room``: the machine's cores, not just
+    the ``ceiling``, less those tasks; other ranks of the run count among them and compute on the rest) cap the
+    pool, so it never runs more threads than there are cores left: where the pool is larger it shrinks to the room
+    at once, and it takes no thread back beyond it. A load that began between two steps is answered at the first
+    step it loads, not one step later, and a partial load (one busy process on two cores) is answered too: beside
+    it a 2-thread pool's barriers wait for a thread the scheduler has taken off its core, and one thread was faster
+    (``benchmarks/README.md``, reference_trainer). When no other process has a runnable task, a thread it gave up
+    comes back at once (unless taking one back has just made the wait return: the patience above), so the first
+    step after a load has gone runs on the threads it regained, not on the loaded step's count. The first time it
+    gives up a thread it says so (once per process), with the fixed count that keeps a run reproducible bit for
+    bit."""
 
     def __init__(self, ceiling: int, *, drop_above: float = 0.25, raise_below: float = 0.05, min_cpu_s: float = 0.05,
                  sample: Callable[[], dict[str, tuple[int, int]]] = own_schedstat,
@@ -175,6 +178,9 @@ class ThreadGovernor:
         """The last observed share of runnable time spent waiting."""
         self.cpus_taken = False
         """At the last observation, other processes' runnable tasks filled every core (``probe``)."""
+        self.room: int | None = None
+        """At the last observation, the cores other processes' runnable tasks left (at least 1; ``probe``); None
+        where the probe cannot see the machine."""
         self.machine_free = False
         """At the last observation, no other process had a runnable task (``probe``)."""
         self._last = sample()
@@ -183,33 +189,36 @@ class ThreadGovernor:
         others = self.probe() if self.ceiling > 1 else None
         self.cpus_taken = others is not None and others >= self.machine_cpus
         self.machine_free = others == 0
+        self.room = None if others is None else max(1, self.machine_cpus - others)
+        crowded = self.room is not None and self.threads > self.room  # more threads than cores left right now
         now = self.sample()
         run = wait = 0
         for tid, (r, w) in now.items():
             r0, w0 = self._last.get(tid, (0, 0))
             run, wait = run + max(0, r - r0), wait + max(0, w - w0)
         if run < self.min_ns:  # too little to judge the wait: keep counting from the same start
-            if self.cpus_taken and self.threads > 1:
+            if crowded:
                 self._drop(by_probe=True)
                 self._just_raised = False
                 self.apply(self.threads)
             return self.threads
         self._last = now
         self.wait_share = share = wait / (run + wait)
+        fits = self.room is None or self.threads < self.room  # one more thread would have a core of its own
         raised = False
-        if (share > self.drop_above or self.cpus_taken) and self.threads > 1:
-            self._drop(by_probe=share <= self.drop_above)
+        if (share > self.drop_above or crowded) and self.threads > 1:
+            self._drop(by_probe=crowded and share <= self.drop_above)
         elif self.machine_free and self.threads < self.ceiling and self.patience == 1:
             self.threads += 1  # the load has gone (the last step's wait is the load's): no quiet step to wait for
             self._quiet = 0
             raised = True
-        elif share < self.raise_below and self.threads < self.ceiling and not self.cpus_taken:
+        elif share < self.raise_below and self.threads < self.ceiling and fits:
             self._quiet += 1
             if self._quiet >= self.patience:
                 self.threads += 1
                 self._quiet = 0
                 raised = True
-        elif share >= self.raise_below or self.cpus_taken:
+        elif share >= self.raise_below or not fits:
             self._quiet = 0
         if self.threads == self.ceiling and share < self.raise_below and not raised:
             self.patience = 1  # back at full size and quiet: the load has gone
@@ -220,11 +229,14 @@ class ThreadGovernor:
     def _drop(self, by_probe: bool) -> None:
         if self._just_raised:
             self.patience = min(2 * self.patience, 32)
-        self.threads -= 1
+        # by the probe: straight to the cores left (a large machine's load takes many at once); by the wait: one
+        self.threads = max(1, min(self.threads - 1, self.room)) if by_probe and self.room else self.threads - 1
         self._quiet = 0
         if not self._told:
             self._told = True
-            why = ("other processes' tasks fill every CPU of the machine" if by_probe else
+            why = ("other processes' tasks fill every CPU of the machine" if by_probe and self.cpus_taken else
+                   f"other processes' runnable tasks leave {self.room} of the machine's {self.machine_cpus} CPUs"
+                   if by_probe else
                    f"this process's threads waited for a CPU {100 * self.wait_share:.0f}% of the time they were "
                    "runnable")
             log.warning("the CPUs are shared: %s, so torch now computes on %d thread(s) instead of %d (run.threads: "
