@@ -23,14 +23,16 @@ def serve(
     max_body_mb: float = typer.Option(1024.0, "--max-body-mb", min=0.001, help="Largest request body, and the "
                                       "most request bytes held at once (requests past it wait), in MiB. 1024 "
                                       "fits 64 float32 images of 1024x1024."),
-    idle_timeout_s: float = typer.Option(60.0, "--idle-timeout-s", min=0.001, help="A connection that sends "
-                                         "nothing for this long is closed."),
-    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Connections served at once; one "
-                                        "more is answered 503."),
+    idle_timeout_s: float = typer.Option(60.0, "--idle-timeout-s", min=0.001, help="A kept-alive connection "
+                                         "silent this long after an answer is closed; a body that stalls this "
+                                         "long is answered 408."),
+    max_connections: int = typer.Option(64, "--max-connections", min=1, help="Connections open at once; a "
+                                        "request on one more is answered 503 and its connection closed."),
 ) -> None:
     """Serve reward NAME: POST /score (a safetensors body: the outputs' exact tensors), GET /health. The reward
     is called as in process (the same tensors, each request's batch; concurrent requests share a call only for
-    a batch-invariant reward). Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token."""
+    a batch-invariant reward). Set OMNIRL_REWARD_SERVER_TOKEN to require a bearer token. The HTTP server is
+    uvicorn; SIGINT / SIGTERM stop it gracefully (the requests in flight are answered first)."""
     from omnirl_core.config import parse_set
     from omnirl_core.rewards.server import RewardServer
     from omnirl_core.rewards_kit import build_reward
@@ -43,15 +45,15 @@ def serve(
     def stop(signum, frame):
         raise KeyboardInterrupt
 
+    # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again: both end here
     signal.signal(signal.SIGTERM, stop)
     print(f"omnirl: serving reward '{spec.name}' on {server.url} (POST /score, GET /health)", file=sys.stderr,
           flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        print("omnirl: reward server stopped", file=sys.stderr, flush=True)
-    finally:
-        server.httpd.server_close()
+        pass
+    print("omnirl: reward server stopped", file=sys.stderr, flush=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -86,6 +86,16 @@ class RemoteRewardError(RuntimeError):
     pass
 
 
+# What the reward server's HTTP layer (uvicorn) answers itself, in plain text, before the app sees a request
+_NOT_JSON = {
+    503: "every connection the server serves at once is taken (its --max-connections), after the retries "
+         "(options.retries); lower the calls in flight (options.concurrency, the run's reward workers), or restart "
+         "the server with a larger --max-connections",
+    400: "the server's HTTP parser refused the request (its request line or headers: malformed, or over 64 KiB "
+         "together, or a Content-Length it cannot read); is the client's omnirl the server's version?",
+}
+
+
 def _safe(text: str) -> str:
     return _USERINFO.sub(r"\1***@", text)
 
@@ -166,8 +176,10 @@ class RemoteReward(Reward):
         try:
             answer = response.json()
         except ValueError:
-            raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code} with "
-                                    f"something that is not JSON: {response.text[:200]!r}") from None
+            why = _NOT_JSON.get(response.status_code, "an answer that is not the reward server's JSON (is it an "
+                                "omnirl reward server?)")
+            raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code} "
+                                    f"{response.text[:200]!r}: {why}") from None
         if response.status_code != 200:
             error = answer.get("error") if isinstance(answer, dict) else answer
             raise RemoteRewardError(f"reward server {_safe(self.url)} answered {response.status_code}: {error}")

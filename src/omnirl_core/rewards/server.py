@@ -8,12 +8,24 @@ a batcher thread takes every waiting request (up to ``max_batch`` samples, waiti
 more after the first); when such a batch fails, each request is scored alone, so a bad request fails only
 itself. The reward is never called from two threads at once.
 
-What a client can make the server hold is bounded: a body needs a ``Content-Length`` of at most
-``max_body_bytes`` (no chunked bodies), the bodies held at once take at most ``max_body_bytes`` together (a
-request past that waits its turn), a body is read as it arrives (``wire.read_request``: its header checked
-first, its tensors' bytes read into one buffer, nothing else kept), a connection that sends nothing for
-``idle_timeout_s`` is closed, and at most ``max_connections`` are served at once (one more is answered 503
-at once, without a thread). Every request the server cannot use gets a 4xx with a JSON ``error``.
+The HTTP server is uvicorn (its public ``Config`` / ``Server``, its h11 parser) running ``RewardApp``, a
+plain ASGI app, on an event loop of its own thread. The app decides, and answers with a JSON ``error``: 401
+(bearer token), 404, 405, 415, 411 / 400 / 413 (``Content-Length``: one, a number, at most
+``max_body_bytes``, checked before any of the body is read; no chunked bodies), 400 (a body that does not
+follow the wire format), 408 (nothing arrived for ``idle_timeout_s`` in the middle of a body), 503 (the
+bodies held at once would pass ``max_body_bytes`` for ``request_timeout_s``), 500 (the reward's own error),
+504 (no answer within ``request_timeout_s``). A body is read as it arrives: one of up to ``SMALL_BODY``
+whole, then parsed on the event loop; a larger one by ``wire.read_request`` on a reader thread, its tensors'
+bytes copied from the connection straight into one buffer.
+
+uvicorn itself answers, in plain text, what happens below the app: a request line or headers it cannot
+parse, or that take more than ``MAX_HEAD`` (``400 Invalid HTTP request received.``; a negative, non-numeric
+or doubled ``Content-Length`` is one), and a request on a connection past ``max_connections`` (``503 Service
+Unavailable``, connection closed; the remote reward retries it). A connection kept alive after an answer is
+closed after ``idle_timeout_s`` of silence (uvicorn's ``timeout_keep_alive``); a connection that never sends
+a request is held until its client closes it (uvicorn has no timeout for that; it counts against
+``max_connections``). ``close`` stops listening, closes the idle connections, lets the requests in flight
+finish (for up to ``SHUTDOWN_GRACE_S``) and stops the batcher.
 
 With ``OMNIRL_REWARD_SERVER_TOKEN`` in the server's environment, every request must carry
 ``Authorization: Bearer <token>`` (the remote reward sends it from the same variable); the token is never
@@ -22,6 +34,7 @@ printed.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -30,12 +43,11 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, cast
+from typing import Any, Protocol
 
 from omnirl_core.contracts import as_reward
 from omnirl_core.rewards.dispatch import check_scores
@@ -47,6 +59,17 @@ TOKEN_ENV = "OMNIRL_REWARD_SERVER_TOKEN"
 MAX_BODY = 1 << 30
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 64
+# a request's line and headers, in bytes: h11 holds at most this much of a head (httptools, which uvicorn also
+# offers, holds a header of any length: a client could make the server hold any amount of memory before the app
+# sees the request)
+MAX_HEAD = 64 << 10
+SMALL_BODY = 1 << 20  # bodies up to this size are read whole and parsed on the event loop (no thread hand-off)
+SHUTDOWN_GRACE_S = 5.0
+BACKLOG = 128  # the listen backlog: a burst of clients must not wait seconds to connect
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class BodyError(Exception):
@@ -61,7 +84,30 @@ HINT_413 = ("the server's --max-body-mb; send fewer samples per request (the rem
             "it")
 
 
-def body_length(headers: Message, limit: int, hint: str = HINT_413) -> int:
+class Headers(Protocol):
+    """Request headers as ``email.message.Message`` gives them (``http.server``'s ``self.headers``)."""
+
+    def get(self, name: str, default: Any = None, /) -> Any: ...
+
+    def get_all(self, name: str, default: Any = None, /) -> Any: ...
+
+
+class AsgiHeaders:
+    """An ASGI request's headers, read as ``email.message.Message`` reads them (names case-insensitive)."""
+
+    def __init__(self, raw: Iterable[tuple[bytes, bytes]]):
+        self.items = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in raw]
+
+    def get(self, name: str, default: Any = None, /) -> Any:
+        name = name.lower()
+        return next((v for k, v in self.items if k == name), default)
+
+    def get_all(self, name: str, default: Any = None, /) -> Any:
+        name = name.lower()
+        return [v for k, v in self.items if k == name] or default
+
+
+def body_length(headers: Headers, limit: int, hint: str = HINT_413) -> int:
     """The length of a request's body from its headers: one ``Content-Length`` of at most ``limit`` bytes;
     raises BodyError (411 without one or with a chunked body, 400 for a malformed one, 413 over the limit, the
     message ending with ``hint``)."""
@@ -81,23 +127,20 @@ def body_length(headers: Message, limit: int, hint: str = HINT_413) -> int:
     return length
 
 
-def has_body(headers: Message) -> bool:
-    """The request announces a body (one a handler that does not read it must close the connection over)."""
-    return headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() != "0"
-
-
 _Request = socket.socket | tuple[bytes, socket.socket]
 """What socketserver hands a server per request (a TCP server's is the connection's socket)."""
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer (daemon threads) that serves at most ``max_connections`` connections at once: one more
-    is answered ``503`` and closed by the listening thread, without a thread of its own. Handlers set their idle
-    timeout with the ``timeout`` class attribute (``BaseHTTPRequestHandler`` closes a connection idle that long)."""
+    """For small stdlib ``http.server`` services (stand-ins in tests and benchmarks; the reward server is
+    uvicorn): a ThreadingHTTPServer (daemon threads) that serves at most ``max_connections`` connections at once:
+    one more is answered ``503`` and closed by the listening thread, without a thread of its own. Handlers set
+    their idle timeout with the ``timeout`` class attribute (``BaseHTTPRequestHandler`` closes a connection idle
+    that long)."""
 
     daemon_threads = True
-    block_on_close = False  # close() must not wait for handlers that wait on a reward
-    request_queue_size = 128  # the listen backlog (socketserver's 5 made a burst of clients wait seconds to connect)
+    block_on_close = False  # close() must not wait for handlers that wait on a slow answer
+    request_queue_size = BACKLOG
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int):
         if max_connections < 1:
@@ -125,8 +168,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self._slots.release()
 
     def _refuse(self, request: _Request) -> None:
-        body = json.dumps({"error": f"the server has {self.max_connections} connections open, its limit "
-                                    "(--max-connections); retry later"}).encode()
+        body = json.dumps({"error": f"the server has {self.max_connections} connections open, its limit; "
+                                    "retry later"}).encode()
         conn = request if isinstance(request, socket.socket) else request[1]
         try:
             conn.settimeout(1.0)
@@ -151,23 +194,24 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 class _Budget:
-    """Bytes of request bodies held at once."""
+    """Bytes of request bodies held at once (used on the event loop only)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
-        self._free = threading.Condition()
+        self._free = asyncio.Condition()
 
-    def acquire(self, n: int, timeout_s: float) -> bool:
-        with self._free:
-            return self._free.wait_for(lambda: self.held + n <= self.limit, timeout_s) and self._take(n)
+    async def acquire(self, n: int, timeout_s: float) -> bool:
+        async with self._free:
+            try:
+                await asyncio.wait_for(self._free.wait_for(lambda: self.held + n <= self.limit), timeout_s)
+            except TimeoutError:
+                return False
+            self.held += n
+            return True
 
-    def _take(self, n: int) -> bool:
-        self.held += n
-        return True
-
-    def release(self, n: int) -> None:
-        with self._free:
+    async def release(self, n: int) -> None:
+        async with self._free:
             self.held -= n
             self._free.notify_all()
 
@@ -267,171 +311,230 @@ class Batcher:
             start += len(job.prompts)
 
 
-class RewardServer:
-    """A BoundedHTTPServer in front of a Batcher. ``port=0`` picks a free port (see ``.port``)."""
+class _Gone(Exception):
+    """The client went away in the middle of its body (nothing to answer)."""
 
-    def __init__(self, reward: Callable[..., Any], name: str, modalities: tuple[str, ...] = ("any",),
-                 host: str = "127.0.0.1", port: int = 0, max_batch: int = 32, max_wait_ms: float = 5.0,
-                 request_timeout_s: float = 600.0, max_body_bytes: int = MAX_BODY,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
-        if max_body_bytes < 8 or idle_timeout_s <= 0:
-            raise ValueError("max_body_bytes must be at least 8 and idle_timeout_s positive")
+
+class _BodyReader:
+    """A request body from ASGI ``receive``: whole (``read_all``), or copied into the views a reader thread
+    asks for (``fill``, run on the event loop). Raises TimeoutError when nothing arrives for ``idle_s`` and
+    _Gone when the client disconnects."""
+
+    def __init__(self, receive: Receive, idle_s: float):
+        self.receive = receive
+        self.idle_s = idle_s
+        self.pending = memoryview(b"")
+        self.ended = False
+
+    async def _next(self) -> None:
+        message = await asyncio.wait_for(self.receive(), self.idle_s)
+        if message["type"] == "http.disconnect":
+            raise _Gone
+        self.pending = memoryview(message.get("body", b""))
+        self.ended = not message.get("more_body", False)
+
+    async def fill(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            if not self.pending:
+                if self.ended:
+                    break
+                await self._next()
+                continue
+            n = min(len(self.pending), len(view) - done)
+            view[done:done + n] = self.pending[:n]
+            self.pending = self.pending[n:]
+            done += n
+        return done
+
+    async def read_all(self, length: int) -> memoryview:
+        data = bytearray(length)
+        return memoryview(data)[:await self.fill(memoryview(data))]
+
+
+def _from(data: memoryview) -> Callable[[memoryview], int]:
+    """A ``readinto`` over bytes held in memory."""
+    at = 0
+
+    def read_into(view: memoryview) -> int:
+        nonlocal at
+        n = min(len(view), len(data) - at)
+        view[:n] = data[at:at + n]
+        at += n
+        return n
+
+    return read_into
+
+
+class RewardApp:
+    """The reward server's ASGI app: GET /health, POST /score (see the module's docstring)."""
+
+    def __init__(self, batcher: Batcher, name: str, modalities: tuple[str, ...], request_timeout_s: float,
+                 max_body_bytes: int, idle_timeout_s: float, readers: int):
+        self.batcher = batcher
         self.name = name
         self.modalities = modalities
-        self.batcher = Batcher(reward, max_batch, max_wait_ms)
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
         self.budget = _Budget(max_body_bytes)
         self.token = os.environ.get(TOKEN_ENV) or None
-        self.connections: set[Any] = set()
-        self._connections_lock = threading.Lock()
-        self.httpd = BoundedHTTPServer((host, port), self._handler(), max_connections)
-        self.host, self.port = cast("tuple[str, int]", self.httpd.server_address[:2])  # AF_INET: a str host
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        self.readers = ThreadPoolExecutor(readers, thread_name_prefix="omnirl-reward-reader")
 
     def info(self) -> dict[str, Any]:
         return {"reward": self.name, "modality": list(self.modalities), "uses_inputs": self.batcher.uses_inputs,
                 "batch_invariant": self.batcher.batch_invariant, "max_batch": self.batcher.max_batch,
                 "max_body_bytes": self.max_body_bytes, **self.batcher.stats}
 
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan is off; anything else is not served
+            return
+        headers = AsgiHeaders(scope["headers"])
+        answer = await self._answer(scope, headers, receive)
+        if answer is None:  # the client went away
+            return
+        status, body, close = answer
+        data = json.dumps(body).encode()
+        response = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if close:  # a body left (partly) unread: uvicorn closes the connection after the answer
+            response.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": response})
+        await send({"type": "http.response.body", "body": data})
 
-    def start(self) -> RewardServer:
-        """Serve on a daemon thread (tests, embedding)."""
-        threading.Thread(target=self.serve_forever, daemon=True, name="omnirl-reward-server").start()
-        return self
-
-    def close(self) -> None:
-        """Stop listening and drop open keep-alive connections (a client then sees the server gone, as when
-        its process ends, instead of a request that never gets an answer)."""
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        with self._connections_lock:
-            for connection in list(self.connections):
-                try:
-                    connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        self.batcher.close()
-
-    def score(self, read_into: Callable[[memoryview], int], length: int) -> tuple[int, dict[str, Any]]:
-        """One /score body -> (status, answer). Raises TimeoutError / OSError when the connection fails while
-        the body is read. Nothing of the request is left alive when it returns."""
+    async def _answer(self, scope: Scope, headers: AsgiHeaders,
+                      receive: Receive) -> tuple[int, dict[str, Any], bool] | None:
+        path, method = scope["path"].rstrip("/"), scope["method"]
+        unread = headers.get("Transfer-Encoding") is not None or headers.get("Content-Length", "0").strip() != "0"
+        if method not in ("GET", "POST", "HEAD"):
+            return 405, {"error": f"{method[:20]} is not served: GET /health, POST /score"}, True
+        if path != ("/score" if method == "POST" else "/health"):
+            return 404, {"error": f"no such endpoint {scope['path'][:200]!r}: GET /health, POST /score"}, unread
+        if self.token is not None and not hmac.compare_digest(headers.get("Authorization", "").encode(),
+                                                              f"Bearer {self.token}".encode()):
+            return 401, {"error": f"missing or wrong bearer token (the server requires {TOKEN_ENV})"}, unread
+        if method != "POST":
+            return 200, self.info(), unread
+        kind = headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if kind != CONTENT_TYPE:
+            return 415, {"error": f"the body must be {CONTENT_TYPE} (a safetensors file, see "
+                                  f"omnirl_core.rewards.wire), not {kind[:80] or 'untyped'}"}, True
         try:
-            outputs, prompts, inputs = read_request(read_into, length)
+            length = body_length(headers, self.max_body_bytes)
+        except BodyError as exc:
+            return exc.status, {"error": str(exc)}, True
+        if not await self.budget.acquire(length, self.request_timeout_s):
+            return 503, {"error": f"the server held {self.max_body_bytes} bytes of requests for "
+                                  f"{self.request_timeout_s:g} s; retry later"}, True
+        try:
+            status, body = await self.score(_BodyReader(receive, self.idle_timeout_s), length)
+        except TimeoutError:
+            return 408, {"error": f"nothing arrived for {self.idle_timeout_s:g} s in the middle of the body"}, True
+        except _Gone:
+            return None
+        finally:
+            await self.budget.release(length)
+        return status, body, status == 400
+
+    async def score(self, reader: _BodyReader, length: int) -> tuple[int, dict[str, Any]]:
+        """One /score body -> (status, answer). Raises TimeoutError / _Gone when the connection fails while the
+        body is read. Nothing of the request is left alive when it returns."""
+        try:
+            if length <= SMALL_BODY:
+                outputs, prompts, inputs = read_request(_from(await reader.read_all(length)), length)
+            else:
+                loop = asyncio.get_running_loop()
+
+                def read_into(view: memoryview) -> int:
+                    return asyncio.run_coroutine_threadsafe(reader.fill(view), loop).result()
+
+                outputs, prompts, inputs = await loop.run_in_executor(self.readers, read_request, read_into, length)
         except WireError as exc:
             return 400, {"error": f"bad request: {exc}"}
-        except OSError:  # the connection: the handler closes it
+        except (TimeoutError, _Gone):  # the connection
             raise
         except Exception as exc:  # noqa: BLE001 - what the checks did not foresee is still the client's input
             return 400, {"error": f"bad request: {type(exc).__name__}: {exc}"}
         if not prompts:
             return 200, {"scores": []}
-        future = self.batcher.submit(outputs, prompts, inputs)
+        future = asyncio.wrap_future(self.batcher.submit(outputs, prompts, inputs))
         del outputs, inputs
-        try:
-            return 200, {"scores": future.result(self.request_timeout_s)}
-        except TimeoutError:
+        done, _ = await asyncio.wait({future}, timeout=self.request_timeout_s)  # not cancelled: the batcher owns it
+        if not done:
             return 504, {"error": f"reward '{self.name}' gave no answer within {self.request_timeout_s:g} s"}
+        try:
+            return 200, {"scores": future.result()}
         except Exception as exc:  # noqa: BLE001 - the reward's own failure, reported to the client
             return 500, {"error": f"reward '{self.name}' failed: {type(exc).__name__}: {exc}"}
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            # TCP_NODELAY: a reply's headers and body leave as two writes; with Nagle's algorithm the body waited
-            # for the client's delayed ACK of the headers, 40 ms on every call of a kept-alive connection
-            disable_nagle_algorithm = True
-            timeout = server.idle_timeout_s  # per read and write: an idle connection is closed
+class RewardServer:
+    """uvicorn serving a RewardApp in front of a Batcher. ``port=0`` picks a free port (see ``.port``); the
+    socket is bound here, so ``.url`` is known before serving."""
 
-            def setup(self) -> None:
-                super().setup()
-                with server._connections_lock:
-                    server.connections.add(self.connection)
+    def __init__(self, reward: Callable[..., Any], name: str, modalities: tuple[str, ...] = ("any",),
+                 host: str = "127.0.0.1", port: int = 0, max_batch: int = 32, max_wait_ms: float = 5.0,
+                 request_timeout_s: float = 600.0, max_body_bytes: int = MAX_BODY,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
+        import uvicorn
 
-            def finish(self) -> None:
-                with server._connections_lock:
-                    server.connections.discard(self.connection)
-                super().finish()
+        if max_body_bytes < 8 or idle_timeout_s <= 0 or max_connections < 1:
+            raise ValueError("max_body_bytes must be at least 8, idle_timeout_s positive and max_connections at "
+                             "least 1")
+        self.name = name
+        self.batcher = Batcher(reward, max_batch, max_wait_ms)
+        self.app = RewardApp(self.batcher, name, modalities, request_timeout_s, max_body_bytes, idle_timeout_s,
+                             readers=max_connections)
+        self.max_connections = max_connections
+        self.socket = socket.create_server((host, port), backlog=BACKLOG)
+        self.host, self.port = self.socket.getsockname()[:2]
+        self.config = uvicorn.Config(
+            self.app, http="h11", lifespan="off", log_config=None,
+            access_log=False, server_header=False, timeout_keep_alive=idle_timeout_s,  # type: ignore[arg-type]
+            # uvicorn answers 503 once the connections open (this one counted) reach limit_concurrency
+            limit_concurrency=max_connections + 1, timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+            h11_max_incomplete_event_size=MAX_HEAD, backlog=BACKLOG)
+        self.server = uvicorn.Server(self.config)
+        self._thread: threading.Thread | None = None
 
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("%s " + format, self.address_string(), *args)
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
-            def _send(self, status: int, body: dict[str, Any], close: bool = False) -> None:
-                """``close``: the connection ends after this reply (a body left unread must not be taken for the
-                next request)."""
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if close:
-                    self.send_header("Connection", "close")  # sets close_connection
-                self.end_headers()
-                self.wfile.write(data)
+    @property
+    def budget(self) -> _Budget:
+        return self.app.budget
 
-            def _authorised(self) -> bool:
-                if server.token is None:
-                    return True
-                got = self.headers.get("Authorization", "")
-                if hmac.compare_digest(got.encode(), f"Bearer {server.token}".encode()):
-                    return True
-                self._send(401, {"error": f"missing or wrong bearer token (the server requires {TOKEN_ENV})"},
-                           close=has_body(self.headers))
-                return False
+    def info(self) -> dict[str, Any]:
+        return self.app.info()
 
-            def _no_such(self) -> None:
-                self._send(404, {"error": f"no such endpoint {self.path[:200]!r}: GET /health, POST /score"},
-                           close=has_body(self.headers))
+    def open_connections(self) -> int:
+        """Connections open now (idle ones included)."""
+        return len(self.server.server_state.connections)
 
-            def do_GET(self) -> None:
-                if self.path.rstrip("/") != "/health":
-                    self._no_such()
-                elif self._authorised():
-                    self._send(200, server.info(), close=has_body(self.headers))
+    def serve_forever(self) -> None:
+        """Serve on this thread until ``close`` (or, on the main thread, SIGINT / SIGTERM: uvicorn shuts down
+        gracefully, then raises the signal again)."""
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self.socket.close()
+            self.app.readers.shutdown(wait=False, cancel_futures=True)
+            self.batcher.close()
 
-            def _not_allowed(self) -> None:
-                self._send(405, {"error": f"{self.command} is not served: GET /health, POST /score"}, close=True)
+    def start(self) -> RewardServer:
+        """Serve on a daemon thread (tests, embedding); returns once the server accepts requests."""
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True, name="omnirl-reward-server")
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the reward server on {self.url} did not start")
+        return self
 
-            do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
-
-            def do_POST(self) -> None:
-                if self.path.rstrip("/") != "/score":
-                    self._no_such()
-                    return
-                if not self._authorised():
-                    return
-                kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
-                if kind != CONTENT_TYPE:
-                    self._send(415, {"error": f"the body must be {CONTENT_TYPE} (a safetensors file, see "
-                                              f"omnirl_core.rewards.wire), not {kind[:80] or 'untyped'}"}, close=True)
-                    return
-                try:
-                    length = body_length(self.headers, server.max_body_bytes)
-                except BodyError as exc:
-                    self._send(exc.status, {"error": str(exc)}, close=True)
-                    return
-                if not server.budget.acquire(length, server.request_timeout_s):
-                    self._send(503, {"error": f"the server held {server.max_body_bytes} bytes of requests for "
-                                              f"{server.request_timeout_s:g} s; retry later"}, close=True)
-                    return
-                try:
-                    status, answer = server.score(self.rfile.readinto, length)
-                except TimeoutError:
-                    self._send(408, {"error": f"nothing arrived for {server.idle_timeout_s:g} s in the middle of "
-                                              "the body"}, close=True)
-                    return
-                except OSError:  # the client went away mid-body
-                    self.close_connection = True
-                    return
-                finally:
-                    server.budget.release(length)
-                self._send(status, answer, close=status == 400)
-
-        return Handler
+    def close(self) -> None:
+        """Stop listening, close the idle connections, let the requests in flight finish (up to
+        SHUTDOWN_GRACE_S), stop the batcher."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(SHUTDOWN_GRACE_S + 5)

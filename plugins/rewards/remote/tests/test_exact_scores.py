@@ -93,7 +93,7 @@ def test_concurrent_calls_of_a_batch_dependent_reward_are_scored_as_in_process(s
         assert not getattr(remote, "batch_invariant", False)
         futures = [remote.submit(images[i:i + 2], prompts[i:i + 2]) for i in (0, 2, 4)]
         deadline = time.monotonic() + 60
-        while len(server.connections) < 3 and time.monotonic() < deadline:  # all three calls have reached it
+        while server.open_connections() < 3 and time.monotonic() < deadline:  # all three calls have reached it
             time.sleep(0.01)
         gate.set()
         got = [f.result(timeout=60) for f in futures]

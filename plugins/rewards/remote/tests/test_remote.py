@@ -87,16 +87,16 @@ def test_images_video_and_text_score_as_in_process(serve):
 
 def test_replies_leave_at_once_on_a_kept_alive_connection(serve):
     """A reply is two writes, headers and body: with Nagle's algorithm the body waited for the client's delayed
-    ACK of the headers, 40 ms on every call of a kept-alive connection. The server's sockets set TCP_NODELAY."""
+    ACK of the headers, 40 ms on every call of a kept-alive connection. The server's sockets set TCP_NODELAY
+    (asyncio's transports do: read here through uvicorn's connection set and each protocol's transport)."""
     import socket
 
     server = serve(brightness)
     remote = RemoteReward(RemoteOptions(url=server.url))
     for _ in range(2):  # the second call on the connection the first one opened
         remote(_images(1), ["a"])
-    with server._connections_lock:
-        connections = list(server.connections)
-    assert connections, "the client's connection should be kept alive"
+    assert server.open_connections() == 1, "the client's connection should be kept alive"
+    connections = [p.transport.get_extra_info("socket") for p in server.server.server_state.connections]
     assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in connections)
 
 
@@ -182,6 +182,32 @@ def test_a_failing_request_fails_only_itself(serve):
         got = list(pool.map(one, ["ok", "please fail", "ok", "ok"]))
     assert [isinstance(g, list) for g in got] == [True, False, True, True]
     assert "answered 500: reward 'test-reward' failed: ValueError: asked to fail" in got[1]
+
+
+def test_the_http_servers_own_plain_text_answers_fail_with_what_to_change(serve):
+    """uvicorn answers a request on a connection past --max-connections with a plain-text 503 (not the app's
+    JSON): after the retries the call fails naming the limit, not with a JSON decode error."""
+    import socket
+
+    server = serve(brightness, max_connections=1)
+    remote = RemoteReward(RemoteOptions(url=server.url, retries=1, retry_wait_s=0.01))  # its connection: kept
+    other = socket.create_connection((server.host, server.port), timeout=60)  # the second: past the cap
+    try:
+        deadline = time.monotonic() + 60
+        while server.open_connections() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RemoteRewardError) as error:
+            remote(_images(1), ["a"])
+        assert "answered 503 'Service Unavailable': every connection the server serves at once is taken (its " \
+               "--max-connections)" in str(error.value)
+        other.close()
+        deadline = time.monotonic() + 60
+        while server.open_connections() > 0 and time.monotonic() < deadline:  # the 503s closed the client's
+            time.sleep(0.01)
+        assert remote(_images(1), ["a"]) == brightness(_images(1), ["a"])
+    finally:
+        other.close()
+        remote.close()
 
 
 def test_bad_requests_are_refused_with_a_reason(serve):
