@@ -5,6 +5,7 @@
     python benchmarks/ray_overhead.py --ray-set run.worker_cpus=1     # a setting for the Ray runs only
     python benchmarks/ray_overhead.py --ray-env GOMP_SPINCOUNT=1000   # an environment variable for them
     python benchmarks/ray_overhead.py --modes inline,ray,ray-whole     # also Ray with whole samples streamed
+    python benchmarks/ray_overhead.py --modes inline,ray,ray-serve     # also Ray with the rewards on Ray Serve
 
 Tiny Qwen-Image + FlowGRPO + colour reward; the same seeds. Every run is a process of its own, as a user's
 would be (the inline runs never import Ray); Ray runs start a local instance with 3 logical CPUs: a colocated
@@ -15,7 +16,8 @@ a fraction of a second, where Ray's fixed per-step cost shows most) and a larger
 the setup time; per workload: the ratio Ray / inline of each round and their median. ``ray-whole`` is the Ray
 run with the trajectories travelling (each sample streamed whole to the controller and sent back in the
 update's units), as before the colocated worker kept them: the algorithm is told, in that run's driver only,
-that its controller side reads trajectories (``Algorithm.controller_reads_trajectory``).
+that its controller side reads trajectories (``Algorithm.controller_reads_trajectory``). ``ray-serve`` is the Ray
+run with the rewards as a Ray Serve deployment (``run.reward_serving=serve``, one replica) instead of a reward actor.
 Writes ``benchmarks/results/ray_overhead.json``.
 """
 
@@ -40,7 +42,8 @@ WORKLOADS = {
     "larger": {"rollout": {"prompts_per_step": 16, "group_size": 4, "num_steps": 10, "height": 64, "width": 64}},
 }
 RAY = {"executor": "ray", "worker_cpus": 2.0}
-MODES = ("inline", "ray", "ray-whole")
+MODES = ("inline", "ray", "ray-whole", "ray-serve")
+MODE_SETTINGS = {"ray-serve": {"run": {"reward_serving": "serve"}}}
 
 
 def child(mode: str, workload: str, steps: int, sets: dict) -> dict:
@@ -112,7 +115,7 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if modes[:1] != ["inline"] or len(modes) < 2 or not set(modes) <= set(MODES):
         parser.error(f"--modes: inline first, then one or more of {', '.join(MODES[1:])}")
-    settings = {m: both if m == "inline" else ray_settings for m in modes}
+    settings = {m: both if m == "inline" else deep_merge(ray_settings, MODE_SETTINGS.get(m, {})) for m in modes}
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:

@@ -198,6 +198,50 @@ class RayPoolConfig(Section):
         return value
 
 
+class RewardServeConfig(Section):
+    """run.reward_serve: the Ray Serve deployment of the rewards (``run.reward_serving=serve``)."""
+
+    min_replicas: int = Field(1, ge=1, description="Replicas the deployment keeps however idle (each one a "
+                              "process holding the run's rewards, with the resources they declare).")
+    max_replicas: int | None = Field(
+        None, ge=1, description="Replicas it may scale up to while requests queue; None: run.reward_workers. "
+        "Equal to min_replicas: a fixed count, no autoscaling.")
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="Autoscaling: the requests (one sample each) in flight or queued per replica that "
+        "Serve aims at; more for upscale_delay_s adds a replica, fewer for downscale_delay_s removes one.")
+    max_ongoing_requests: int = Field(
+        32, ge=1, description="Requests one replica holds at once (the rest queue at the driver's handle, where "
+        "the autoscaler counts them); at least max_batch_size.")
+    max_batch_size: int = Field(
+        16, ge=1, description="Dynamic batching: the most samples one scoring call of a replica takes. Only rewards "
+        "that are all batch_invariant are batched across requests (or every reward with run.reward_batching); "
+        "others score each sample in a call of its own.")
+    batch_wait_s: float = Field(
+        0.01, ge=0, description="Dynamic batching: how long a replica waits for more samples before it scores a "
+        "batch that is not full.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="Autoscaling: how long the queue must stay above the "
+                                   "target before a replica is added.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="Autoscaling: how long it must stay below before "
+                                     "one is removed.")
+
+    @field_validator("max_batch_size")
+    @classmethod
+    def _a_batch_fits_a_replica(cls, value: int, info: ValidationInfo) -> int:
+        held = info.data.get("max_ongoing_requests")
+        if held is not None and value > held:
+            raise ValueError(f"{value} is more than max_ongoing_requests ({held}): a replica could never fill a "
+                             "batch; raise max_ongoing_requests")
+        return value
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _at_least_min(cls, value: int | None, info: ValidationInfo) -> int | None:
+        low = info.data.get("min_replicas")
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"{value} is less than min_replicas ({low})")
+        return value
+
+
 class RunSection(Section):
     steps: int = Field(100, ge=1, description="Training steps.")
     seed: int = Field(0, description="Seed of prompts, noise and initialisation.")
@@ -282,6 +326,14 @@ class RunSection(Section):
         "on I/O rather than adding reward processes. On Ray, rewards that judge on their own loop (submit, e.g. "
         "vlm-judge) are not bound by it: their own requests in flight are.",
     )
+    reward_serving: Literal["actors", "serve"] = Field(
+        "actors", description="Ray: how the reward workers run. actors: run.reward_workers Ray actors in the reward "
+        "pool; serve: a Ray Serve deployment (replicas on the reward pool's nodes, dynamic batching, replicas "
+        "added while requests queue: run.reward_serve), called through its handle inside the cluster (no HTTP).",
+    )
+    reward_serve: RewardServeConfig = Field(
+        default_factory=RewardServeConfig, description="Ray, run.reward_serving=serve: replicas, autoscaling and "
+        "dynamic batching of the rewards' Serve deployment.")
     threads: Annotated[Annotated[int, Field(ge=1)] | Literal["adaptive", "fixed"],
                        BeforeValidator(lambda v: "adaptive" if v is None else v)] = Field(
         "adaptive", description="CPU threads of torch's compute in each worker process. 'adaptive' (default): "
@@ -319,6 +371,14 @@ class RunSection(Section):
         "eval / sample (None: rollout.num_steps; flow_grpo evaluates with 40)."
     )
 
+
+    @field_validator("reward_serving")
+    @classmethod
+    def _serve_on_ray(cls, value: str, info: ValidationInfo) -> str:
+        if value == "serve" and info.data.get("executor") == "inline":
+            raise ValueError("needs run.executor=ray: Ray Serve runs the rewards on a Ray cluster; the inline "
+                             "executor scores on threads of its own process")
+        return value
 
     @field_validator("storage")
     @classmethod

@@ -11,7 +11,9 @@ Pools (Ray placement groups), named by the hardware plugin's ``DeviceSpec.ray_re
            their own no-grad pass (old log-probs), and every rank fetches them before its first loss (the
            actor then keeps no frozen copy in full fine-tuning);
   reward   ``run.reward_workers`` reward actors with the resources the rewards declare, each serving
-           ``run.reward_concurrency`` calls at once (threads, for rewards that wait on I/O).
+           ``run.reward_concurrency`` calls at once (threads, for rewards that wait on I/O); or, with
+           ``run.reward_serving=serve``, no pool: a Ray Serve deployment whose replicas reserve the same
+           resources and selector (``omnirl_core.loop.ray_serve_rewards``: dynamic batching, autoscaling).
 
 Each pool is one placement group, placed by the group's ``run.ray_pools`` entry (strategy, node selector) on a
 cluster of one node or many (``omnirl_core.loop.cluster``: joining, placement checks, the version check, a lost
@@ -93,6 +95,7 @@ from omnirl_core.resolve import ResolvedRun
 
 if TYPE_CHECKING:
     from omnirl_core.contracts import TrainEngine
+    from omnirl_core.loop.ray_serve_rewards import ServedRewards
 
 log = logging.getLogger("omnirl.ray")
 POOL_TIMEOUT_S = 120.0
@@ -414,6 +417,24 @@ class _RewardDispatch:
             self._send_shares()
 
 
+class _ServeDispatch(_RewardDispatch):
+    """Reward calls of one rollout to the rewards' Serve deployment (``run.reward_serving=serve``): every sample goes
+    at once as a request of its own; Serve routes, queues and batches them (the replicas' slots are its business,
+    and the queue it sees is what scales the replicas), so no sample waits at the driver."""
+
+    def __init__(self, served: ServedRewards):
+        super().__init__([served], concurrency=1, batching=False, coalesce=0)
+        self.served = served
+        self.slots = math.inf
+
+    def send(self, views: list[Any]) -> None:
+        for view in views:
+            self.calls.append(self.served.send(view))
+
+    def _free(self, timeout: float | None) -> None:
+        return  # nothing is held at the driver
+
+
 ASYNC_ACTOR_CALLS = 1000
 """Calls a reward actor accepts at once (Ray's own default for an async actor); ``_RewardDispatch`` decides how
 many it gets."""
@@ -520,6 +541,18 @@ def actor_runtime_env(run: Any, group: str) -> dict[str, Any]:
     return runtime_env
 
 
+def served_rewards() -> type[ServedRewards]:
+    """``ray_serve_rewards.ServedRewards``: Ray Serve, imported (after Ray: ``loopback_only`` comes first), or a
+    usage error that says what to install."""
+    try:
+        from omnirl_core.loop.ray_serve_rewards import ServedRewards
+    except ImportError as exc:
+        raise UsageError(f"run.reward_serving=serve needs Ray Serve, which this environment lacks: {exc}.",
+                         hint='Install it on the driver and on every node: pip install "ray[serve]" (the same '
+                              "version as ray), or set run.reward_serving=actors.") from exc
+    return ServedRewards
+
+
 def _actor_resources(resource: str, cpus: float) -> dict[str, Any]:
     """Ray actor options for one worker on a device whose Ray resource is ``resource``."""
     if resource == "CPU":
@@ -565,6 +598,8 @@ class RayExecutor(Executor):
         self.rollout_worker: Any = None
         self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
+        self.served: ServedRewards | None = None
+        """run.reward_serving=serve: the rewards' Serve deployment (``setup``), instead of ``reward_actors``."""
         self.reward_coalesce = 0  # set in setup: samples per coalesced reward call (RewardActor.batch_capacity)
         self.reward_batching = False  # set in setup: run.reward_batching, or rewards that are batch-invariant
         self.pools: list[Any] = []
@@ -660,12 +695,18 @@ class RayExecutor(Executor):
         # of the algorithm reads none and no reference worker evaluates the units
         self.hold = self.colocated and not separate_reference and not algorithm.controller_reads_trajectory
         reward_opts = self._reward_options()
+        serving = run.reward_serving == "serve"
+        if serving:
+            served_rewards()  # Ray Serve importable here, before anything is placed
         worker = _bundle(worker_opts)
         pools = {
             "train": group_pool("train", worker, run.train_workers, run.ray_pools.get("train")),
             "rollout": group_pool("rollout", worker, 0 if self.colocated else 1, run.ray_pools.get("rollout")),
             "reference": group_pool("reference", worker, int(separate_reference), run.ray_pools.get("reference")),
-            "reward": group_pool("reward", _bundle(reward_opts), run.reward_workers, run.ray_pools.get("reward")),
+            # served: the replicas Serve starts with (their bundle is the pool's; Serve places them)
+            "reward": group_pool("reward", _bundle(reward_opts),
+                                 run.reward_serve.min_replicas if serving else run.reward_workers,
+                                 run.ray_pools.get("reward")),
         }
         check_pools(list(pools.values()), cluster_nodes())
         self._check_capacity({name: pool.bundles for name, pool in pools.items()})
@@ -686,21 +727,28 @@ class RayExecutor(Executor):
             self.reference_worker = self._place(WorkerActor, reference_pool, 0, worker_opts, r, ["reference"], 0, 1,
                                                 group="reference")
             actors.append(("reference", 0, self.reference_worker))
-        reward_pool = self._pool(pools["reward"])
-        # an async actor: the driver keeps a reward without submit to reward_concurrency calls at once (its threads);
-        # a reward with submit takes every call, bounded by its own capacity
-        actor_opts = {**reward_opts, "max_concurrency": max(run.reward_concurrency, ASYNC_ACTOR_CALLS)}
-        self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
-                              for i in range(run.reward_workers)]
-        actors += [("reward", i, a) for i, a in enumerate(self.reward_actors)]
+        if not serving:
+            reward_pool = self._pool(pools["reward"])
+            # an async actor: the driver keeps a reward without submit to reward_concurrency calls at once (its
+            # threads); a reward with submit takes every call, bounded by its own capacity
+            actor_opts = {**reward_opts, "max_concurrency": max(run.reward_concurrency, ASYNC_ACTOR_CALLS)}
+            self.reward_actors = [self._place(RewardActor, reward_pool, i, actor_opts, r, group="reward")
+                                  for i in range(run.reward_workers)]
+            actors += [("reward", i, a) for i, a in enumerate(self.reward_actors)]
         self._locate(actors)
+        if serving:  # after the pools: the replicas take what the placement groups left
+            self._serve_rewards(pools["reward"])
         with self._guard("setup"):
             if run.train_workers > 1:  # the group's rendezvous: rank 0's node address, a free port there
                 address, port = ray.get(self.train[0].address.remote())
                 backend = r.device.backend if r.device else "gloo"
                 self.placement.gather([w.init_group.remote(backend, address, port) for w in self.train], "setup")
-            self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
-            self.reward_batching = run.reward_batching or bool(ray.get(self.reward_actors[0].batch_invariant.remote()))
+            if self.served is not None:  # one request per sample; the replicas batch (or not) by themselves
+                self.reward_batching = bool(self.served.replica_settings()["batched"])
+            else:
+                self.reward_coalesce = int(ray.get(self.reward_actors[0].batch_capacity.remote()))
+                self.reward_batching = run.reward_batching or bool(
+                    ray.get(self.reward_actors[0].batch_invariant.remote()))
             members = {(p.group, p.index): p for p in self.placement.placed}
             who = [members[("train", rank)] for rank in range(len(self.train))]
             if not self.colocated:
@@ -710,6 +758,23 @@ class RayExecutor(Executor):
             self.placement.gather([w.setup.remote() for w in self._workers()], "set up", who)
             if not self.colocated:
                 self.sync_weights()  # the rollout worker starts from the actor's exact weights
+
+    def _serve_rewards(self, pool: Pool) -> None:
+        """run.reward_serving=serve: the rewards' Serve deployment, its replicas with the reward pool's bundle and
+        strategy and the reward group's runtime environment; the replicas that answered at start join the run's
+        placement (``runtime.json``, a lost node), their versions checked against the driver's."""
+        runtime_env = actor_runtime_env(self.resolved.config.run, "reward") or None
+        self.served = served_rewards()(self.resolved, pool.bundles[0], pool.strategy, runtime_env)
+        reports = self.served.deploy()
+        self.placement.placed.extend(placed for placed, _ in reports)
+        log.info("ray: reward (Serve application %s) on %s", self.served.app,
+                 ", ".join(f"{p.ip} ({p.node_id[:8]})" for p, _ in reports))
+
+    def _watch(self, phase: str) -> None:
+        """Raises a ``WorkerLostError`` when a node of the run has died (called while the driver waits)."""
+        dead = self.placement.dead()
+        if dead:
+            raise self.placement.lost_on(dead[0], phase, "the node was declared dead while the driver waited")
 
     def _locate(self, actors: list[tuple[str, int, Any]]) -> None:
         """Where each actor runs (``runtime.json``), and the check that its node runs the driver's omnirl and plugin
@@ -743,8 +808,11 @@ class RayExecutor(Executor):
         nodes = [{"node_id": n.node_id, "ip": n.ip, "hostname": n.hostname, "head": n.head,
                   "resources": {k: v for k, v in n.resources.items() if not k.startswith("node:")}}
                  for n in cluster_nodes() if n.node_id in ours]
-        return {"ray": {"address": self.address or "local", "address_from": self.address_source,
-                        "nodes": nodes, "groups": self.placement.groups()}}
+        record = {"address": self.address or "local", "address_from": self.address_source, "nodes": nodes,
+                  "groups": self.placement.groups()}
+        if self.served is not None:
+            record["reward_serve"] = self.served.runtime()
+        return {"ray": record}
 
     @contextmanager
     def _guard(self, phase: str) -> Iterator[None]:
@@ -819,13 +887,15 @@ class RayExecutor(Executor):
             mode = self.resolved.config.run.reward_mode
             start = time.perf_counter()
             run = self.resolved.config.run
-            dispatch = _RewardDispatch(self.reward_actors, run.reward_concurrency, self.reward_batching,
-                                       coalesce=self.reward_coalesce)
+            dispatch = _ServeDispatch(self.served) if self.served is not None else _RewardDispatch(
+                self.reward_actors, run.reward_concurrency, self.reward_batching, coalesce=self.reward_coalesce)
             hold = self.hold and not evaluation  # an evaluation rollout has no update to hand them back to
             stream = self.rollout_worker.generate.options(num_returns="streaming").remote(requests, evaluation, hold)
             views, refs = consume_stream(stream, dispatch, hold, mode == "async")
             rollout_end = time.perf_counter()
-            if mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
+            if mode == "sync" and self.served is not None:  # a request per sample: the replicas batch them
+                dispatch.send(views)
+            elif mode == "sync":  # one chunk per call slot (actors x the calls each serves at once); coalescing: per actor
                 size = int(-(-len(views) // (len(self.reward_actors) if dispatch.coalesce else dispatch.slots))) \
                     if views else 1  # an int: ``slots`` is infinite only when coalescing
                 for i in range(0, len(views), size):
@@ -834,7 +904,8 @@ class RayExecutor(Executor):
                 dispatch.drain()
             calls = dispatch.calls
             samples: list[Sample] = ray.get(refs)
-            results = self.placement.gather(calls, "rollout")
+            results = self.served.results(calls, lambda: self._watch("rollout")) if self.served is not None \
+                else self.placement.gather(calls, "rollout")
         end = time.perf_counter()
         scores = [item for result in results for item in result[0]]
         for sample, (rewards, total) in zip(samples, scores):
@@ -991,6 +1062,9 @@ class RayExecutor(Executor):
 
         if not ray.is_initialized():
             return
+        if self.served is not None:  # Serve first: its replicas and controller go before Ray does
+            self.served.close()
+            self.served = None
         for actor in [*self._workers(), *self.reward_actors]:
             if actor is not None:
                 ray.kill(actor)

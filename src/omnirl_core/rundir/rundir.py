@@ -29,7 +29,7 @@ RUN_IDENTITY_IGNORES = (
     "run.steps", "run.output_dir", "run.save_every", "run.sample_every",
     # placement changes where workers run, not what they compute: a run may resume on another executor
     "run.executor", "run.ray_address", "run.ray_pools", "run.storage", "run.placement", "run.worker_cpus", "run.reward_mode",
-    "run.reward_workers",
+    "run.reward_workers", "run.reward_serving", "run.reward_serve",  # actors or Ray Serve: the same scores, bit for bit
     "run.reference", "run.rollout_threads", "run.reward_concurrency", "run.threads",
     # deadlines and patience: how long to wait for a reward, not what it computes
     "run.reward_timeout_s", "run.reward_max_failed_steps",
