@@ -77,6 +77,32 @@ def mismatch_metrics(logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tens
     }
 
 
+def part_metrics(model: TokenModel, units: list[SequenceUnit], trainer: list[torch.Tensor],
+                 gap: bool = True) -> dict[str, float]:
+    """A model whose completions are several modules' draws (``TokenModel.logprob_parts``): per part, the mean over
+    sequences of its log-prob sum under the trainer (``logprob/<part>/sum``) and its entry count (``.../length``), and
+    (``gap``: where the trainer's weights are the rollout's) the largest trainer-vs-rollout gap of one entry
+    (``.../abs_delta_max``). Nothing for a one-module model."""
+    if not model.logprob_parts:
+        return {}
+    metrics: dict[str, float] = {}
+    parts = [model.logprob_part_of(completion_tokens(u.sample)).cpu() for u in units]
+    for k, name in enumerate(model.logprob_parts):
+        sums, lengths, gaps = [], [], [0.0]
+        for u, part, logp in zip(units, parts, trainer):
+            mine = part == k
+            values = logp.detach().cpu().double()[mine]
+            sums.append(float(values.sum()))
+            lengths.append(float(mine.sum()))
+            if len(values):
+                gaps.append(float((values - u.rollout_logprobs.cpu().double()[mine]).abs().max()))
+        metrics[f"logprob/{name}/sum"] = sum(sums) / len(sums)
+        metrics[f"logprob/{name}/length"] = sum(lengths) / len(lengths)
+        if gap:
+            metrics[f"logprob/{name}/abs_delta_max"] = max(gaps)
+    return metrics
+
+
 class TokenPolicyGradient(Algorithm[TokenModel, SequenceUnit]):
     """Group-normalised advantages, old log-probs (recomputed or the rollout's), optional KL to the
     reference. Subclasses read ``adv_clip``, ``global_std`` and ``beta`` from their own config class."""
@@ -129,6 +155,7 @@ class TokenPolicyGradient(Algorithm[TokenModel, SequenceUnit]):
             logp, mask = padded(old, model.device)
             rollout, _ = padded([u.rollout_logprobs for u in units], model.device)
             metrics.update(mismatch_metrics(logp, rollout, mask))
+            metrics.update(part_metrics(model, units, old))
             log_w = sequence_log_weights(logp, rollout, mask, self.config.train.rs_aggregate)
             for u, w in zip(units, log_w.tolist()):
                 u.log_weight = w
@@ -168,6 +195,7 @@ class TokenPolicyGradient(Algorithm[TokenModel, SequenceUnit]):
         metrics.update(sequence_diagnostics(units, log_w, keep))
         policy_loss = (per_seq * keep.to(device)).mean()
         metrics["policy_loss"] = float(policy_loss.detach())
+        metrics.update(part_metrics(model, units, scored[0], gap=first_update and not self.recompute))
         loss = policy_loss
         if self.uses_reference:
             # k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1

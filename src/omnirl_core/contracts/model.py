@@ -188,6 +188,17 @@ class TokenModel(PolicyModel):
     def decode(self, ids: torch.Tensor) -> str:
         """Token ids -> text."""
 
+    logprob_parts: tuple[str, ...] = ()
+    """The modules whose draws make up a completion, by name, when there are several (a thinker's reply tokens then a
+    talker's speech frames, trained jointly): a sample's log-prob is the sum over all of them, and the token algorithms
+    log each part's share and its rollout-vs-trainer gap (``logprob/<part>/...``; ``logprob_part_of`` says which entry
+    is whose). Empty: one module."""
+
+    def logprob_part_of(self, completion: torch.Tensor) -> torch.Tensor:
+        """For each log-prob entry of ``completion`` (a sample's, as the rollout stored it), the index into
+        ``logprob_parts`` of the module that drew it: a (T,) long tensor. Only where ``logprob_parts`` is set."""
+        raise NotImplementedError(f"{type(self).__name__} has one log-prob part (logprob_parts is empty)")
+
     samples_itself: bool = False
     """True for a model whose completions a generic token sampler cannot draw (a speech talker: every step is a
     frame of several codebooks from two networks): a rollout engine that supports it calls ``sample`` instead of its

@@ -96,6 +96,7 @@ class _FakePolicy:
         return self.ref if self.in_ref else self.current
 
     token_logprobs_under = TokenModel.token_logprobs_under  # the contract's default: once per distribution
+    logprob_parts = TokenModel.logprob_parts  # the contract's default: one module
 
     def reference(self):
         policy = self

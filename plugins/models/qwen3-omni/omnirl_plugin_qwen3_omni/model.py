@@ -3,7 +3,8 @@ AR contract (``omnirl_core.ar.model.CausalLMPolicy``): prompts with images and a
 
 Released checkpoints (``Qwen/Qwen3-Omni-30B-A3B-Instruct`` / ``-Thinking`` / ``-Captioner``) hold the whole omni
 model (thinker + talker + code2wav). By default only the thinker is loaded and trained (text out); with
-``model.options.train=talker`` the whole model is loaded and its talker trained (speech out, ``talker.py``).
+``model.options.train=talker`` the whole model is loaded and its talker trained (speech out, ``talker.py``), speaking the
+prompt or (``speak=reply``) the thinker's reply generated in the same rollout; ``train=thinker+talker`` trains both.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omnirl_core.ar.model import CausalLMPolicy
 from omnirl_core.ar.sampling import TokenPrompt
@@ -37,10 +38,30 @@ class Qwen3OmniOptions(BaseModel):
         False, description="Recompute each text decoder layer's activations in the backward pass (much less "
         "training memory for long sequences, about a third more compute; same numbers)."
     )
-    train: Literal["thinker", "talker"] = Field(
-        "thinker", description="What is trained: 'thinker' (text out) or 'talker' (speech out: the prompt is the text "
-        "to speak; codec frames are the tokens, code2wav makes the waveform; needs a checkpoint with a talker)."
+    train: Literal["thinker", "talker", "thinker+talker"] = Field(
+        "thinker", description="What is trained: 'thinker' (text out); 'talker' (speech out: codec frames are the "
+        "tokens, code2wav makes the waveform; the thinker frozen; needs a checkpoint with a talker); 'thinker+talker' "
+        "(both jointly: the thinker's reply tokens then the talker's frames are one sequence, its log-prob the sum of "
+        "both modules', logged per module as logprob/thinker/* and logprob/talker/*)."
     )
+    speak: Literal["prompt", "reply"] | None = Field(
+        None, description="What the talker speaks: 'prompt' (the prompt is the text spoken: text to speech) or "
+        "'reply' (the thinker generates a reply to the prompt in the same rollout and the talker speaks it; "
+        "rollout.options.allowed_tokens / stop_tokens then guide the reply). None: 'prompt' with train=talker, "
+        "'reply' with train=thinker+talker (which needs it)."
+    )
+    reply_max_tokens: int = Field(32, ge=1, description="Most tokens of the thinker's reply with speak=reply (its "
+                                  "stop token included); rollout.options.max_new_tokens bounds the talker's frames.")
+    reply_min_tokens: int = Field(1, ge=0, description="Fewest tokens of the thinker's reply before its stop tokens may "
+                                  "be drawn (as transformers' min_new_tokens; 1: never an empty reply, which would "
+                                  "give the talker nothing to say).")
+
+    @model_validator(mode="after")
+    def _reply_bounds(self) -> Qwen3OmniOptions:
+        if self.reply_min_tokens > self.reply_max_tokens:
+            raise ValueError(f"reply_min_tokens ({self.reply_min_tokens}) is above reply_max_tokens "
+                             f"({self.reply_max_tokens}): lower it, or raise reply_max_tokens")
+        return self
     speaker: str = Field("ethan", description="The talker's voice: a name in the checkpoint's talker speaker_id.")
     tiny_seed: int = Field(0, description="Seed of the tiny preset's random weights.")
     tiny_head_dim: int = Field(8, ge=2, description="Attention head size of the tiny preset's text decoder (64 "
@@ -314,8 +335,12 @@ def create_model(section: ModelSection, options: Qwen3OmniOptions | None,
     from omnirl_core.precision import concrete_dtype
 
     dtype = _DTYPES[concrete_dtype(section.dtype, torch.device(device).type)]  # 'auto' when called directly
-    if options.train == "talker":
+    if options.train != "thinker":
         return _create_talker(section, options, torch.device(device), dtype)
+    if options.speak is not None:
+        raise UsageError("model.options.speak says what the talker speaks; model.options.train=thinker trains the "
+                         "thinker alone (text out, no talker).",
+                         hint="Set model.options.train=talker or thinker+talker, or leave speak unset.")
     if section.preset == TALKER_PRESET:
         path = _omni_path(section, options)  # its thinker is the tiny preset's
     else:
@@ -332,10 +357,19 @@ def _create_talker(section: ModelSection, options: Qwen3OmniOptions, device: tor
     from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
 
     if options.gradient_checkpointing:
-        raise UsageError("gradient_checkpointing applies to the thinker's text decoder, not to the talker.",
-                         hint="Set model.options.gradient_checkpointing=false with model.options.train=talker.")
+        raise UsageError("gradient_checkpointing applies to the thinker's text decoder trained alone, not to the "
+                         "talker.", hint=f"Set model.options.gradient_checkpointing=false with "
+                         f"model.options.train={options.train}.")
+    joint = options.train == "thinker+talker"
+    speak = options.speak or ("reply" if joint else "prompt")
+    if joint and speak != "reply":
+        raise UsageError("model.options.train=thinker+talker trains the thinker's reply with its speech; with "
+                         "speak=prompt the thinker would generate nothing.",
+                         hint="Leave model.options.speak unset (or set it to reply), or use model.options.train=talker.")
     path = _omni_path(section, options)
     omni, tokenizer = load_omni(path, dtype, options.attn_implementation)
-    model = Qwen3OmniTalker(omni.to(device), tokenizer, options.speaker, device, dtype)
+    model = Qwen3OmniTalker(omni.to(device), tokenizer, options.speaker, device, dtype, speak=speak, joint=joint,
+                            reply_max_tokens=options.reply_max_tokens, reply_min_tokens=options.reply_min_tokens,
+                            system_prompt=options.system_prompt)
     model.source = path
     return model

@@ -68,22 +68,30 @@ def _omni(tiny: bool) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module
     return omni.thinker, omni.talker, omni.code2wav
 
 
-def talker_sizing(config: Any) -> ModelSizing:
+def talker_sizing(config: Any, reply_tokens: int | None = None) -> ModelSizing:
     """``model.options.train=talker``: the whole model held (the thinker frozen: its embeddings give the text the
     talker speaks; code2wav turns frames into sound once per sample, without gradient), the talker trained (LoRA on
     its and its code predictor's attention, or all of it). Activations: the generic estimate of the talker's decoder
     over prefix + frames (``rollout.options.max_new_tokens`` frames); per sample, the float32 logits of every frame's
     codebooks (the first from the talker's codec head, the K - 1 residual ones from the code predictor); the code
     predictor's own layers, run per frame over its K positions, count as more decoder layers. No tensor or expert parallelism (the engines that
-    train the talker are data-parallel)."""
+    train the talker are data-parallel).
+
+    ``reply_tokens`` (``model.options.train=thinker+talker``): the thinker trained with it (LoRA on its text decoder's
+    attention too, or its text decoder whole) over prompt + that many reply tokens; its layers count as more decoder
+    layers of the talker's width (as the code predictor's), and its float32 logits over the reply are added."""
     from omnirl_plugin_qwen3_omni.model import TALKER_PRESET
-    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
+    from omnirl_plugin_qwen3_omni.talker import THINKER_LORA_TARGETS, Qwen3OmniTalker
 
     preset = config.model.preset if config.model.preset in ("tiny", TALKER_PRESET) else None
     thinker, talker, code2wav = _omni(preset is not None)
-    rank, targets = lora_settings(config, Qwen3OmniTalker.default_lora_targets)
+    joint = reply_tokens is not None
+    default_targets = Qwen3OmniTalker.default_lora_targets
+    rank, targets = lora_settings(config, f"{THINKER_LORA_TARGETS}|{default_targets}" if joint else default_targets)
     named = torch.nn.Module()
     named.talker = talker  # the whole model's names (talker.model.layers...), which the LoRA targets match
+    if joint:
+        named.thinker = thinker
     text = talker.config.text_config
     predictor = talker.config.code_predictor_config
     groups = int(talker.config.num_code_groups)
@@ -96,21 +104,30 @@ def talker_sizing(config: Any) -> ModelSizing:
     tokens = prefix + frames
     predictor_layers = math.ceil(predictor.num_hidden_layers * groups * frames * predictor.hidden_size
                                  / (tokens * text.hidden_size))
+    thinker_layers, notes = 0, []
+    if joint:
+        thinker_text = thinker.config.text_config
+        thinker_tokens = (TINY_PROMPT_TOKENS if preset else PROMPT_TOKENS) + int(reply_tokens or 0)
+        thinker_layers = math.ceil(thinker_text.num_hidden_layers * thinker_tokens * thinker_text.hidden_size
+                                   / (tokens * text.hidden_size))
+        logits += int(reply_tokens or 0) * thinker_text.vocab_size * 4
+        notes.append(f"thinker trained jointly: its {thinker_text.num_hidden_layers} layers over {thinker_tokens} "
+                     f"prompt + reply tokens as {thinker_layers} more, with float32 logits over the reply")
     return ModelSizing(
         components={"thinker": checkpoint_numel(thinker), "talker": checkpoint_numel(talker),
                     "code2wav": checkpoint_numel(code2wav)},
-        trained=("talker",),
-        trainable=trainable_numel([named], targets, rank),
+        trained=("thinker", "talker") if joint else ("talker",),
+        trainable=trainable_numel([named], targets, rank, skip=(thinker.model.visual, thinker.model.audio_tower)),
         lora=rank is not None,
         hidden=text.hidden_size,
-        layers=text.num_hidden_layers + predictor_layers,
+        layers=text.num_hidden_layers + predictor_layers + thinker_layers,
         tokens=tokens,
         per_sample_bytes=logits,
         largest_block=max(checkpoint_numel(b) for b in talker.model.layers),
         checkpointable=False,  # the talker refuses gradient_checkpointing (model.py)
         notes=[(f"talker: generic activation estimate over {prefix} prefix + {frames} frames per sequence "
                 f"({text.num_hidden_layers} talker layers + the code predictor's as {predictor_layers} more), with "
-                f"float32 logits of {groups} codebooks per frame")],
+                f"float32 logits of {groups} codebooks per frame"), *notes],
         preset=preset,
     )
 
@@ -118,8 +135,11 @@ def talker_sizing(config: Any) -> ModelSizing:
 def sizing(config: Any, options: Any) -> ModelSizing:
     from omnirl_plugin_qwen3_omni.model import Qwen3OmniThinker
 
-    if getattr(options, "train", "thinker") == "talker":
+    train = getattr(options, "train", "thinker")
+    if train == "talker":
         return talker_sizing(config)
+    if train == "thinker+talker":
+        return talker_sizing(config, reply_tokens=int(getattr(options, "reply_max_tokens", 32)))
 
     preset = config.model.preset if config.model.preset == "tiny" else None
     thinker = _thinker(preset, int(getattr(options, "tiny_head_dim", 8)) if preset else 8)

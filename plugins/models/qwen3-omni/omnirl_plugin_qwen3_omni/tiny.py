@@ -241,3 +241,21 @@ def _audible_code2wav(code2wav: Any, level: float = 0.003) -> None:
                 continue
             module.weight.mul_(fan_in ** -0.5 / module.weight.std())
         code2wav.decoder[-1].conv.weight.mul_(level)
+
+
+def tiny_talker(path: str | Path, dtype: torch.dtype = torch.float32, **options: Any) -> Any:
+    """The saved tiny whole model (``save_tiny_omni``) loaded as the plugin loads it, as a talker policy
+    (``Qwen3OmniOptions(**options)``, ``train="talker"`` unless given), computing in ``dtype`` (float64 for exact
+    checks: torch's grouped expert matmul takes no float64, so the experts then run eagerly)."""
+    from omnirl_core.config import ModelSection
+    from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model
+    from omnirl_plugin_qwen3_omni.talker import Qwen3OmniTalker
+
+    model = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(path), dtype="float32"),
+                         Qwen3OmniOptions(**{"train": "talker", **options}), "cpu")
+    assert isinstance(model, Qwen3OmniTalker)
+    if dtype == torch.float64:
+        model.module.set_experts_implementation("eager")
+    model.module.to(dtype)
+    model.dtype = dtype
+    return model

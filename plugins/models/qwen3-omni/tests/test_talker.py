@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from omnirl_plugin_qwen3_omni.model import Qwen3OmniOptions, create_model
 from omnirl_plugin_qwen3_omni.talker import NO_CODE, SAMPLE_RATE, Qwen3OmniTalker
-from omnirl_plugin_qwen3_omni.tiny import TINY_CODE_GROUPS, save_tiny_omni
+from omnirl_plugin_qwen3_omni.tiny import TINY_CODE_GROUPS, save_tiny_omni, tiny_talker
 
 from omnirl_core.ar.policy_gradient import AR_PLAN
-from omnirl_core.config import LoraConfig, ModelSection
+from omnirl_core.config import LoraConfig
 from omnirl_core.contracts import GenRequest, Speech
 from omnirl_core.errors import UsageError
 from omnirl_core.plugins import get_plugin_manager
@@ -32,14 +31,7 @@ def omni_dir(tmp_path_factory) -> Path:
 
 
 def _talker(omni_dir: Path, dtype: torch.dtype = torch.float32) -> Qwen3OmniTalker:
-    model = create_model(ModelSection(name="qwen3-omni", preset="tiny", path=str(omni_dir), dtype="float32"),
-                         Qwen3OmniOptions(train="talker"), "cpu")
-    assert isinstance(model, Qwen3OmniTalker)
-    if dtype == torch.float64:
-        model.module.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
-    model.module.to(dtype)
-    model.dtype = dtype
-    return model
+    return tiny_talker(omni_dir, dtype)
 
 
 def _requests(texts: list[str], seed: int = 0) -> list[GenRequest]:
