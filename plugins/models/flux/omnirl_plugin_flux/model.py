@@ -179,11 +179,11 @@ class FluxKontextModel(FluxModel):
 def create_kontext_model(section: ModelSection, options: FluxKontextOptions | None, device: Any) -> FluxKontextModel:
     from diffusers import FluxKontextPipeline
 
-    from omnirl_plugin_flux.tiny import KONTEXT, TINY_VERSION, build_tiny_pipeline
+    from omnirl_plugin_flux.tiny import KONTEXT, KONTEXT_VERSION, build_tiny_pipeline
 
     options = options or FluxKontextOptions()
     return create_flow_model(
         FluxKontextModel, FluxKontextPipeline, section, options, device, label="FLUX.1 Kontext",
         default=KONTEXT_HUB_ID, access_note="FLUX.1-Kontext-dev is gated: accept its licence on the hub and log in first.",
-        tiny=("flux.1-kontext", TINY_VERSION, partial(build_tiny_pipeline, KONTEXT)),
+        tiny=("flux.1-kontext", KONTEXT_VERSION, partial(build_tiny_pipeline, KONTEXT)),
     )

@@ -11,6 +11,8 @@ import torch
 from omnirl_core import presets
 
 TINY_VERSION = 1  # bump when the tiny architecture changes (invalidates the on-disk cache)
+# flux.1-kontext's own: v2 scales the encoder to unit-spread source latents (normalise_encoder)
+KONTEXT_VERSION = 2
 VARIANTS = ("dev", "schnell")  # flux.1's tiny_variant
 KONTEXT = "kontext"  # flux.1-kontext's: dev's architecture, saved as a FluxKontextPipeline
 CLIP_DIM, T5_DIM, LATENT_CHANNELS = 32, 32, 4
@@ -29,6 +31,28 @@ VAE = {
     "use_post_quant_conv": False, "shift_factor": 0.1159, "scaling_factor": 0.3611,
 }
 VAE_SCALE = 4  # two spatial downsamplings
+
+
+def normalise_encoder(vae, images: int = 32, size: int = 32) -> None:
+    """Rescale the VAE encoder's last convolution (the rows giving the posterior's mean) so that blocky random-colour
+    pictures encode, after the pipeline's shift and scale, to latents of zero mean and unit spread per channel: still
+    random weights, only another init scale, as ``presets.widen_decoder_range`` does for the decoder.
+
+    Left as built, the random encoder maps every picture to nearly the same latents (a spread near 0.1 per channel
+    after shift and scale), while the noisy tokens Kontext appends them to are unit Gaussian: the sources then look
+    alike to the transformer, which can neither see what to keep nor learn to keep it. Decoding is unchanged."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.rand(images, 3, 4, 4, generator=generator) * 2 - 1
+    pictures = torch.nn.functional.interpolate(blocks, size=(size, size), mode="nearest")
+    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    with torch.no_grad():
+        mu = vae.encode(pictures).latent_dist.mode()  # (N, C, h, w): what FluxKontextPipeline encodes a source to
+        mean, std = mu.mean(dim=(0, 2, 3)), mu.std(dim=(0, 2, 3)).clamp_min(1e-6)
+        gain = 1.0 / (scale * std)  # (mu - shift) * scale has unit spread
+        channels = mean.shape[0]  # the mean's rows of the (mean, log-variance) convolution
+        conv = vae.encoder.conv_out
+        conv.weight[:channels] *= gain.view(-1, 1, 1, 1)
+        conv.bias[:channels] = (conv.bias[:channels] - mean) * gain + shift
 
 
 def build_tiny_pipeline(variant: str = "dev", seed: int = 0):
@@ -50,6 +74,8 @@ def build_tiny_pipeline(variant: str = "dev", seed: int = 0):
     transformer = FluxTransformer2DModel(**TRANSFORMER, guidance_embeds=variant != "schnell")
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(**VAE)
+    if variant == KONTEXT:  # an editing model must tell its sources apart (normalise_encoder)
+        normalise_encoder(vae)
     presets.widen_decoder_range(lambda z: vae.decode(z, return_dict=False)[0], vae.decoder.conv_out,
                         (2, LATENT_CHANNELS, 8, 8))
     text_encoder = presets.tiny_clip_text_encoder(tokenizer, CLIP_DIM, seed + 2)

@@ -121,6 +121,24 @@ def test_source_sizes_and_refusals(loaded, images):
         model.encode_with_images(["p"], [images])
 
 
+def test_the_tiny_encoder_tells_sources_apart_at_the_noisy_tokens_scale(loaded, tmp_path: Path):
+    """The tiny VAE's encoder is scaled (tiny v2) so that sources encode, after the pipeline's shift and scale, to
+    unit-scale tokens like the unit Gaussian noisy tokens beside them; v1's random encoder gave every source nearly
+    the same tokens (a spread near 0.1 per channel), so the edit could not see what to keep. Sources: flat and
+    two-colour pictures of the builtin edits' colours, other pictures than the ones the scale was measured on."""
+    from omnirl_core.data.builtin.make_sets import square_pictures
+
+    paths = square_pictures(tmp_path, SIZE)
+    rows = loaded.encode_with_images(["p"] * len(paths), [(p,) for p in paths])
+    latents = torch.cat([row.tensors["image_latents"] for row in rows])  # (N, tokens, C * 4), 2 x 2 packed
+    channels = latents.view(len(paths), -1, loaded.latent_channels, 4).transpose(1, 2).flatten(2)  # (N, C, values)
+    std = channels.std(dim=(0, 2))
+    assert bool((std > 0.4).all() and (std < 2.5).all()), std
+    assert float(channels.mean(dim=(0, 2)).abs().max()) < 0.8, channels.mean(dim=(0, 2))
+    # sources differ by as much as the tokens vary: the spread across sources at each position is unit-scale too
+    assert float(latents.std(dim=0).mean()) > 0.3
+
+
 def test_plan_counts_the_source_tokens():
     from omnirl_core.config import build_config
     from omnirl_core.registry import load_object

@@ -175,15 +175,9 @@ def test_the_tiny_encoder_tells_sources_apart_at_the_noisy_tokens_scale(loaded, 
     noisy tokens beside them (a random encoder's latents sit at an offset with a spread near 0.07: every source then
     looked alike to the transformer and the edit run could not learn to keep it). Sources: flat and two-colour
     pictures of the builtin edits' colours, other pictures than the ones the scale was measured on."""
-    from omnirl_core.data.builtin.make_sets import RGB
+    from omnirl_core.data.builtin.make_sets import square_pictures
 
-    colours = list(RGB.values())
-    paths = []
-    for k, background in enumerate(colours):
-        image = Image.new("RGB", (SIZE, SIZE), background)
-        image.paste(colours[(k + 3) % len(colours)], (8, 8, 24, 24))
-        paths.append(str(tmp_path / f"{k}.png"))
-        image.save(paths[-1])
+    paths = square_pictures(tmp_path, SIZE)
     model = loaded["edit-plus"]
     latents = torch.cat([c.tensors["image_latents"] for c in model.encode_with_images(["p"] * len(paths),
                                                                                       [(p,) for p in paths])])

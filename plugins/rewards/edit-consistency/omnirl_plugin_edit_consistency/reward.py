@@ -10,7 +10,8 @@ whole image (then the score also counts the edit itself as a change). ``metric``
 
 ``edit-color`` scores the instruction's colour where the edit happens: 1 - ||mean RGB inside the mask - target|| /
 sqrt(3), the target being the record's ``color`` field or else the colour word of the instruction (the ``color``
-reward's palette). Both score each sample on its own and raise on a sample they cannot score (no source, no colour).
+reward's palette); with ``baseline="source"``, the improvement of that score over the source's. Both score each
+sample on its own and raise on a sample they cannot score (no source, no colour).
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class EditColorOptions(BaseModel):
                             "whose colour is scored); without one the whole image is scored.")
     color_field: str = Field("color", min_length=1, description="The record field naming the target colour; without "
                              "it, the first colour word of the instruction.")
+    baseline: Literal["none", "source"] = Field(
+        "none", description="none: the score of the result; source: its improvement over the source, the same score "
+        "of the source (resized to the result's size) subtracted: 0 for an edit that leaves the region as it was, "
+        "positive when it moved it toward the target colour.")
 
 
 def target_color(prompt: str, record: dict[str, Any] | None, field: str) -> tuple[float, float, float]:
@@ -115,14 +120,20 @@ class EditColor(Reward):
     def __call__(self, outputs: Sequence[Any], prompts: Sequence[str], inputs: Sequence[dict[str, Any]] | None = None,
                  **kwargs: object) -> list[float]:
         records = list(inputs) if inputs is not None else [None] * len(outputs)
-        scores = []
-        for output, prompt, record in zip(outputs, prompts, records):
-            image = _image(output)
-            mask = edit_mask(record, (image.shape[1], image.shape[2]), self.options.mask_field)
-            weight = torch.ones(image.shape[1:]) if mask is None else mask
-            if float(weight.sum()) <= 0:
-                raise ValueError("the edit mask is empty: no region to score")
-            mean = (image * weight).flatten(1).sum(dim=1) / weight.sum()
-            target = torch.tensor(target_color(prompt, record, self.options.color_field))
-            scores.append(1.0 - float(torch.linalg.vector_norm(mean - target)) / math.sqrt(3))
-        return scores
+        return [self.score(_image(o), p, r) for o, p, r in zip(outputs, prompts, records)]
+
+    def score(self, image: torch.Tensor, prompt: str, record: dict[str, Any] | None) -> float:
+        size = (image.shape[1], image.shape[2])
+        mask = edit_mask(record, size, self.options.mask_field)
+        weight = torch.ones(size) if mask is None else mask
+        if float(weight.sum()) <= 0:
+            raise ValueError("the edit mask is empty: no region to score")
+        target = torch.tensor(target_color(prompt, record, self.options.color_field))
+
+        def closeness(picture: torch.Tensor) -> float:
+            mean = (picture * weight).flatten(1).sum(dim=1) / weight.sum()
+            return 1.0 - float(torch.linalg.vector_norm(mean - target)) / math.sqrt(3)
+
+        if self.options.baseline == "source":
+            return closeness(image) - closeness(source_images(record, size)[0])
+        return closeness(image)

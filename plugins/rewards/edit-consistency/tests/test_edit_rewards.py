@@ -83,6 +83,25 @@ def test_edit_color_scores_the_instructed_colour_inside_the_mask(record):
         EditColor(EditColorOptions(color_field="target"))([edited], ["make it nicer"], inputs=[{}])
 
 
+def test_edit_color_against_the_source_scores_the_improvement(record):
+    """baseline=source: the result's score less the source's (a blue square asked to be red): 0 for an edit that
+    changes nothing, the whole gap for the exact colour, negative for a move away from it."""
+    reward = EditColor(EditColorOptions(baseline="source"))
+    edited = source_like()
+    edited[:, :8, :8] = torch.tensor([1.0, 0.0, 0.0])[:, None, None]
+    worse = source_like()
+    worse[:, :8, :8] = torch.tensor([0.0, 1.0, 1.0])[:, None, None]  # cyan: farther from red than blue is
+    gap = math.sqrt(2) / math.sqrt(3)  # blue's distance to red, / sqrt(3)
+    scores = reward([source_like(), edited, worse], ["make it red"] * 3, inputs=[record] * 3)
+    assert scores[0] == pytest.approx(0.0, abs=1e-6) and scores[1] == pytest.approx(gap, abs=1e-6)
+    assert scores[2] == pytest.approx(gap - math.sqrt(3) / math.sqrt(3), abs=1e-6)
+    # the same ordering as the plain score, shifted by the record's own constant
+    plain = EditColor()([source_like(), edited, worse], ["make it red"] * 3, inputs=[record] * 3)
+    assert [a - b for a, b in zip(plain, scores)] == pytest.approx([1 - gap] * 3, abs=1e-6)
+    with pytest.raises(ValueError, match="no source image"):
+        reward([edited], ["make it red"], inputs=[{"mask": record["mask"], "color": "red"}])
+
+
 def test_outputs_must_be_images():
     with pytest.raises(ValueError, match=r"scores images \(3, H, W\)"):
         EditColor()([torch.zeros(3, 2, 8, 8)], ["make it red"], inputs=[{}])

@@ -164,6 +164,22 @@ def edits() -> list[dict]:
     return out
 
 
+def square_pictures(folder: Path, size: int) -> list[str]:
+    """One picture per colour of the edits set, ``size`` px: that colour as the background with a square of another
+    in it (PNG files written into ``folder``; their paths). Sources other than the set's own pictures, e.g. for
+    checking that a model's encoder tells sources apart."""
+    from PIL import Image
+
+    colours = list(RGB.values())
+    paths = []
+    for k, background in enumerate(colours):
+        image = Image.new("RGB", (size, size), background)
+        image.paste(colours[(k + 3) % len(colours)], (size // 4, size // 4, 3 * size // 4, 3 * size // 4))
+        paths.append(str(folder / f"{k}.png"))
+        image.save(paths[-1])
+    return paths
+
+
 def draw_edit(record: dict) -> tuple[Any, Any]:
     """The source picture (RGB) and the edit mask (L: 255 where the edit may change pixels) of an ``edits`` record."""
     from PIL import Image, ImageDraw
