@@ -444,3 +444,15 @@ def test_a_workers_files_cross_nodes_through_ray_with_their_checksums(cluster, t
         assert moved == CHUNK + 7 and there == sums
     finally:
         ray.shutdown()
+
+
+def test_rewards_served_on_the_reward_node_train_as_the_single_node_run(cluster, single_node):
+    """run.reward_serving=serve over the three nodes: the Ray Serve replica runs on the node with the reward resource
+    (b), and the run's metrics and weights are the single-node reward actors' run's, bit for bit."""
+    proc = cluster.train("--output-dir", "runs/served", *POOLS, "--set", "run.reward_serving=serve")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = cluster.runs / "served"
+    served = json.loads((run / "runtime.json").read_text())["ray"]["reward_serve"]
+    assert [r["node_id"] for r in served["replicas_at_start"]] == [cluster.node_id("b")]
+    assert [_steady(r) for r in _rows(run)] == [_steady(r) for r in _rows(single_node)]
+    assert _weights(run / "checkpoints" / "step-000002") == _weights(single_node / "checkpoints" / "step-000002")

@@ -175,3 +175,46 @@ def test_without_ray_serve_the_option_says_what_to_install(monkeypatch):
     with pytest.raises(UsageError, match="needs Ray Serve") as err:
         served_rewards()
     assert 'pip install "ray[serve]"' in err.value.render() and err.value.exit_code == 2
+
+
+def test_the_deployment_adds_a_replica_while_requests_queue(ray_cluster, tmp_path: Path):
+    """Autoscaling observed, not only configured: a slow reward (0.3 s a call, never batched) with 1..2 replicas
+    and a target of 1 request in flight per replica gains its second replica while requests keep queueing, and
+    every request is answered."""
+    import time
+
+    from ray import serve
+
+    from omnirl_core.loop.ray_serve_rewards import DEPLOYMENT, ServedRewards
+
+    scaling = {**SERVE, "reward_serve": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                         "max_batch_size": 1, "max_ongoing_requests": 2, "upscale_delay_s": 0.0}}
+    resolved = _resolved(tmp_path, rewards=[{"name": "faulty", "options": {"mode": "slow", "delay_s": 0.3}}],
+                         **scaling)
+    served = ServedRewards(resolved, {"CPU": 0.5, "reward": 0.001}, "pack", None)
+    try:
+        served.deploy()
+        sample = _one_sample()
+        ref = ray.put(sample)
+        pending, replicas, deadline = [], 1, time.monotonic() + 90.0
+        while replicas < 2 and time.monotonic() < deadline:
+            pending += [served.send(ref) for _ in range(4)]  # more than the replicas can take: the queue grows
+            time.sleep(0.5)
+            states = serve.status().applications[served.app].deployments[DEPLOYMENT].replica_states
+            replicas = int(states.get("RUNNING", 0))
+        assert replicas == 2, f"no second replica within 90 s of queued requests ({states})"
+        answers = served.results(pending, lambda: None)
+        assert len(answers) == len(pending)
+    finally:
+        served.close()
+
+
+def _one_sample():
+    import torch
+
+    from omnirl_core.contracts import GenRequest, RolloutPlan, Sample
+
+    plan = RolloutPlan(step_kinds=("ode",), train_steps=())
+    return Sample(request=GenRequest(uid=0, prompt="a red square", prompt_index=0, group=0, seed=0, height=8,
+                                     width=8, plan=plan),
+                  latents=None, sigmas=None, logprobs=None, output=torch.rand(3, 8, 8))
