@@ -221,6 +221,8 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt, allow_recipe_environments:
     layers = flags.layers(manager)
     resolved = resolve_run(manager, layers, probe_device=not dry_run)
     check_recipe_environments(flags.recipe, layers, resolved, allow_recipe_environments)
+    if not dry_run and resolved.config.run.executor == "inline":
+        _continue_in_engine_environment(resolved)
     if dry_run:
         launch = Launch.prepare(manager, resolved, dry_run=True)
         if launch.data_problem:
@@ -230,6 +232,23 @@ def train(flags: RunFlags, dry_run: bool = DryRunOpt, allow_recipe_environments:
             typer.echo("memory_plan: |\n" + "\n".join("  " + line for line in launch.memory.table().splitlines()))
         return
     _train(resolved, manager)
+
+
+def _continue_in_engine_environment(resolved: ResolvedRun) -> None:
+    """A train engine that runs in an environment of its own: the inline run continues there, the same
+    command in that environment's interpreter (this process replaced: signals, exit code and output are the
+    run's). Returns where this interpreter will do. With --executor ray only the train workers go there."""
+    from omnirl_core.serving.envs import environment_python, worker_environment
+
+    env = worker_environment(resolved.train_engine)
+    if env is None:
+        return
+    python = environment_python(env)  # exit 2 naming `omnirl env build` when not built; plugins kept in step
+    _err(f"omnirl: train engine '{resolved.train_engine.name}' runs in its own environment '{env.name}': "
+         f"continuing there ({python})")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(str(python), [str(python), "-m", "omnirl_cli", *sys.argv[1:]], {**os.environ, **env.env})
 
 
 def _train(resolved: ResolvedRun, manager: Any) -> None:

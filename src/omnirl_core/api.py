@@ -73,6 +73,8 @@ def train(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
 
     manager = _manager(manager)
     resolved = config if isinstance(config, ResolvedRun) else resolve(config, manager=manager)
+    if resolved.config.run.executor == "inline":
+        _check_engine_environment(resolved)
     launch = Launch.prepare(manager, resolved, dry_run=False)
     resuming = launch.claim(manager)
     if on_claim is not None:
@@ -82,6 +84,21 @@ def train(config: Config | ResolvedRun, *, manager: PluginManager | None = None,
         on_start(controller)
     controller.run()
     return launch.run_path
+
+
+def _check_engine_environment(resolved: ResolvedRun) -> None:
+    """An inline run builds its train engine in this process: refuse an engine that needs another environment."""
+    from omnirl_core.errors import UsageError
+    from omnirl_core.serving.envs import worker_environment
+
+    env = worker_environment(resolved.train_engine)
+    if env is not None:
+        raise UsageError(
+            f"Train engine '{resolved.train_engine.name}' runs in its own environment '{env.name}', not in this "
+            "interpreter's.",
+            hint=f"Use `omnirl train` (an inline run continues in that environment), run.executor=ray (the train "
+            f"workers run there), or call this from that environment's python (`omnirl env path {env.name}`).",
+        )
 
 
 @dataclass

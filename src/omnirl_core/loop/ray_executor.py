@@ -530,11 +530,13 @@ def group_runtime_env(spec: dict[str, Any] | None, group: str) -> dict[str, Any]
     return out
 
 
-def actor_runtime_env(run: Any, group: str) -> dict[str, Any]:
-    """The runtime_env of one of the run's actors: its group's (``run.ray_runtime_envs``), with
+def actor_runtime_env(run: Any, group: str, environment: str | None = None) -> dict[str, Any]:
+    """The runtime_env of one of the run's actors: its group's (``run.ray_runtime_envs``; where the run gives
+    none, ``environment``: the environment the group's components need, e.g. a train engine's), with
     ``RAY_worker_niceness`` from ``run.ray_worker_niceness``, which the worker's Ray core reads when it starts (a
     value in the group's own env_vars wins)."""
-    runtime_env = group_runtime_env(run.ray_runtime_envs.get(group), group) or {}
+    spec = run.ray_runtime_envs.get(group) or ({"environment": environment} if environment else None)
+    runtime_env = group_runtime_env(spec, group) or {}
     if run.ray_worker_niceness is not None:
         runtime_env["env_vars"] = {"RAY_worker_niceness": str(run.ray_worker_niceness),
                                    **runtime_env.get("env_vars", {})}
@@ -595,6 +597,7 @@ class RayExecutor(Executor):
                              "train worker (run.ray_pools.train places it).",
                              hint="Set run.placement=split, or move the entry to run.ray_pools.train.")
         self.train: list[Any] = []
+        self.train_environment: str | None = None  # set up: the environment the train workers run in
         self.rollout_worker: Any = None
         self.reference_worker: Any = None
         self.reward_actors: list[Any] = []
@@ -669,7 +672,8 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=pool, placement_group_bundle_index=index)
-        runtime_env = actor_runtime_env(self.resolved.config.run, group)
+        runtime_env = actor_runtime_env(self.resolved.config.run, group,
+                                        self.train_environment if group == "train" else None)
         if runtime_env:
             options = {**options, "runtime_env": runtime_env}
         # never restarted, no call retried: a worker that came back would have lost the run's state (its weights,
@@ -681,9 +685,13 @@ class RayExecutor(Executor):
         import ray
 
         from omnirl_core.loop.worker import build_algorithm
+        from omnirl_core.serving.envs import worker_environment
 
-        self._connect()
         r = self.resolved
+        # a train engine with an environment of its own: the train workers run there
+        needed = worker_environment(r.train_engine)
+        self.train_environment = needed.name if needed is not None else None
+        self._connect()
         run = r.config.run
         resource = r.device.ray_resource if r.device else "CPU"
         worker_opts = _actor_resources(resource, run.worker_cpus)

