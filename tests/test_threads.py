@@ -39,22 +39,27 @@ def test_available_cpus_follow_the_affinity_and_the_quota(monkeypatch):
 
 def test_apply_env_sets_defaults_and_keeps_what_the_user_set():
     env: dict[str, str] = {}
-    threads.apply_env(3, env)
+    threads.apply_env(3, env, gnu_openmp=False)
     assert env == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": threads.DEFAULT_SPINCOUNT}
+    env = {}
+    threads.apply_env(3, env, gnu_openmp=True)  # libgomp: a longer spin while more threads than cores
+    assert env == {"OMP_NUM_THREADS": "3", "GOMP_SPINCOUNT": threads.DEFAULT_SPINCOUNT, "OMP_WAIT_POLICY": "ACTIVE"}
     env = {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "5"}
-    threads.apply_env(3, env)
-    assert env == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "5"}
+    threads.apply_env(3, env, gnu_openmp=True)
+    assert env == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "ACTIVE"}
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
-    threads.apply_env(None, env)
-    assert "GOMP_SPINCOUNT" not in env  # the user's wait policy decides
+    threads.apply_env(None, env, gnu_openmp=True)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env  # the user's wait policy decides
+    assert threads.torch_uses_libgomp() or not sys.platform.startswith("linux")  # torch's Linux wheels ship it
 
 
 def test_the_cli_applies_the_policy_before_torch_loads():
     code = ("import os, sys; import omnirl_cli.main; "
-            "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == [threads.DEFAULT_SPINCOUNT, "False"]
+    policy = "ACTIVE" if threads.torch_uses_libgomp() else "None"
+    assert out.stdout.split() == [threads.DEFAULT_SPINCOUNT, policy, "False"]
 
 
 def test_configure_sizes_torch_and_reports_the_policy(monkeypatch):

@@ -271,11 +271,35 @@ class ThreadPolicy:
         return asdict(self)
 
 
-def apply_env(threads: int | None = None, environ: MutableMapping[str, str] = os.environ) -> None:
-    """Before torch loads: the OpenMP thread count and the spin-then-sleep wait, unless already set."""
+def apply_env(threads: int | None = None, environ: MutableMapping[str, str] = os.environ,
+              gnu_openmp: bool | None = None) -> None:
+    """Before torch loads: the OpenMP thread count and the spin-then-sleep wait, unless already set.
+
+    With GNU libgomp (torch's Linux wheels) also ``OMP_WAIT_POLICY=ACTIVE``: with ``GOMP_SPINCOUNT`` given, libgomp's
+    wait policy changes only how long a thread spins while the process holds more OpenMP threads than it has cores
+    (1000 iterations instead of 100). It does hold more as soon as a second thread runs torch (the rollout's
+    interruptible calls run on a helper thread, whose OpenMP team adds to the main thread's): at 100 the main job's
+    update took 0.21 s a step, at 1000 0.11-0.14 s, the same numbers (``benchmarks/README.md``). Other OpenMP
+    runtimes (LLVM's libomp, Intel's) read ``ACTIVE`` as spin without end, so it is set for libgomp only."""
     environ.setdefault("OMP_NUM_THREADS", str(threads or available_cpus()))
     if "OMP_WAIT_POLICY" not in environ:
         environ.setdefault("GOMP_SPINCOUNT", DEFAULT_SPINCOUNT)
+        if gnu_openmp if gnu_openmp is not None else torch_uses_libgomp():
+            environ["OMP_WAIT_POLICY"] = "ACTIVE"
+
+
+def torch_uses_libgomp() -> bool:
+    """Whether the installed torch ships GNU libgomp (found on disk: torch is not imported)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return any(any(d.glob("libgomp*.so*")) for d in (root / "lib", root.parent / "torch.libs") if d.is_dir())
 
 
 def ray_assigned_cpus() -> int | None:
