@@ -3,9 +3,11 @@
 Setup, on every rank: (1) the process group (gloo on CPU, nccl on CUDA: VeOmni's ``get_dist_comm_backend``
 knows no CPU backend, so the engine forms it, as the fsdp2 engine does); (2) ``init_parallel_state`` with
 ``dp_mode="fsdp2"`` and every rank in the shard dimension; (3) for each trained module (a plain ``nn.Module``:
-the diffusers denoiser, LoRA layers included; it is in no VeOmni registry) ``build_parallelize_model``: FSDP2
-wrap units are the module's ``_no_split_modules`` plus the classes of its repeated blocks (``basic_modules``),
-then the root. VeOmni's FSDP2 path always materialises the wrapped model from ``meta`` (``to_empty`` then
+the diffusers denoiser or the transformers thinker, LoRA layers included; it is in no VeOmni registry)
+``build_parallelize_model``: FSDP2 wrap units are the module's ``_no_split_modules`` plus fsdp2's units, passed by
+class name (``basic_modules``): the repeated blocks and the submodules the model calls by themselves
+(``called_submodules``: a causal LM's output head), each under a class name of its own where it shares one with
+modules that are not units (``_unit_classes``); then the root. VeOmni's FSDP2 path always materialises the wrapped model from ``meta`` (``to_empty`` then
 ``init_weights()``, or a load from a weights directory); our module holds its weights already, so the engine
 snapshots its state before wrapping and hands VeOmni an ``init_weights`` that puts each rank's shard of that
 snapshot back (parameters and persistent buffers; VeOmni keeps non-persistent ones itself); (4) VeOmni's
@@ -81,6 +83,26 @@ def _restore_into(module: torch.nn.Module, snapshot: dict[str, torch.Tensor]) ->
     return init_weights
 
 
+def _unit_classes(tree: torch.nn.Module, units: list[torch.nn.Module]) -> set[str]:
+    """Class names by which VeOmni (``basic_modules``, matched by name against every module of ``tree``) wraps exactly
+    ``units``: a unit's own class name where no other module of ``tree`` has it, else the name of a subclass made for
+    the units of that class (a plain ``Linear`` block of a ModuleList, the output head). The subclass adds nothing:
+    same methods, same ``isinstance``, same state."""
+    chosen = {id(u) for u in units}
+    made: dict[type, type] = {}
+    names = set()
+    for unit in units:
+        cls = type(unit)
+        if all(id(m) in chosen or type(m).__name__ != cls.__name__ for m in tree.modules()):
+            names.add(cls.__name__)
+            continue
+        if cls not in made:
+            made[cls] = type(f"OmnirlUnit{cls.__name__}", (cls,), {"__module__": __name__})
+        unit.__class__ = made[cls]
+        names.add(made[cls].__name__)
+    return names
+
+
 class VeOmniTrainEngine(ShardedTrainEngine):
 
     def __init__(self, model: Any, train: TrainSection, options: VeOmniOptions | None, device: Any):
@@ -109,14 +131,19 @@ class VeOmniTrainEngine(ShardedTrainEngine):
         if len(modules) > 1:  # ranks route their samples differently: every module runs in every call
             model.lockstep = True
         self.named_params = []
+        called = model.called_submodules()
         for key, module in modules.items():
-            blocks = {type(b).__name__ for b in shard_units(module, self.options.shard_modules)}
             kwargs: dict[str, Any] = {"init_device": "meta"}
             if self.world_size == 1:
                 # VeOmni wraps nothing without FSDP; on CPU its parallelize refuses a world of one
                 # ("Only FSDP training supports `init_device=meta`"): the module trains as it is
                 kwargs = {"init_device": device.type} if device.type in ("cuda", "npu", "mlu") else {}
             if kwargs:
+                # fsdp2's units: the repeated blocks, and the submodules the model calls by themselves (a causal LM's
+                # decoder and output head); VeOmni picks units by class name, so each gets one that names it alone
+                units = list(shard_units(module, self.options.shard_modules))
+                units += [u for u in called if u is not module and any(u is sub for sub in module.modules())]
+                blocks = _unit_classes(module, units)
                 self._parallelize(build_parallelize_model, module, sorted(blocks), mixed, kwargs)
             for method in getattr(module, "fsdp_forward_methods", ()):  # BAGEL's prompt_kv
                 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method

@@ -1,6 +1,8 @@
 """The veomni engine on CPU (gloo), in its own environment (``omnirl env build veomni``): 2 ranks make the same
 update as the single-process torch engine, to 1e-5 (the fsdp2 tests' criterion, ``_assert_same_update``), for
-LoRA and full fine-tuning; its sharded checkpoint loads back on one rank and training continues exactly.
+LoRA and full fine-tuning, with FlowGRPO on the tiny Qwen-Image and GSPO on the tiny Qwen3-Omni thinker (in the
+environment's transformers 5.9 layout); its sharded checkpoint loads back on one rank and training continues
+exactly.
 
 Both engines run in the veomni environment (same torch / diffusers / transformers), each rank a subprocess of its
 interpreter, with the checkpoint's plugin directories on PYTHONPATH (the environment build installs omnirl and
@@ -22,7 +24,7 @@ pytestmark = [pytest.mark.engines, pytest.mark.slow]
 JOB = Path(__file__).with_name("rank_job.py")
 PLUGINS = Path(__file__).resolve().parents[3]  # plugins/
 PLUGIN_DIRS = ["hardware/cpu", "models/qwen-image", "algorithms/flowgrpo", "engines/diffusers", "engines/torch",
-               "rewards/color"]
+               "rewards/color", "models/qwen3-omni", "algorithms/gspo", "engines/transformers", "rewards/answer-match"]
 LR = {"lora": 1e-2, "full": 1e-3}  # rank_job.py's learning rates
 
 
@@ -76,21 +78,28 @@ def runs(python: str, tmp_path_factory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_two_veomni_ranks_match_the_single_process_engine(runs: dict, mode: str):
+def _assert_equal_runs(root: Path, mode: str) -> tuple[dict, dict]:
+    """veomni's weights after each of two steps against torch's; the update is real; VeOmni's wrap started from the
+    model's own weights (not a fresh init). Returns torch's weights before and after step 1."""
     from safetensors.torch import load_file
 
-    root = runs[mode]
     for step in (1, 2):
         ref = load_file(str(root / "torch" / f"state-{step}.safetensors"))
         got = load_file(str(root / "veomni" / f"state-{step}.safetensors"))
         _assert_same_update(ref, got, LR[mode], step)
     init = load_file(str(root / "torch" / "state-0.safetensors"))
     moved = load_file(str(root / "torch" / "state-1.safetensors"))
-    assert max(float((init[k] - moved[k]).abs().max()) for k in init) > 100 * 1e-5  # the update is real
-    # VeOmni's wrap started from the model's own weights (not a fresh init)
+    assert max(float((init[k] - moved[k]).abs().max()) for k in init) > 100 * 1e-5
     assert all(float((init[k] - v).abs().max()) == 0.0
                for k, v in load_file(str(root / "veomni" / "state-0.safetensors")).items())
+    return init, moved
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_two_veomni_ranks_match_the_single_process_engine(runs: dict, mode: str):
+
+    root = runs[mode]
+    _assert_equal_runs(root, mode)
     assert (root / "veomni" / "ckpt" / "shards" / "rank-00001-of-00002.safetensors").is_file()
     expected = "pytorch_lora_weights.safetensors" if mode == "lora" else "transformer/diffusion_pytorch_model.safetensors"
     assert (root / "veomni" / "ckpt" / expected).is_file()
@@ -106,3 +115,67 @@ def test_sharded_checkpoint_loads_on_one_rank_and_training_continues(python: str
     assert max(float((saved[k] - loaded[k]).abs().max()) for k in saved) == 0.0
     cont = load_file(str(tmp_path / "one" / "state-2.safetensors"))
     _assert_same_update(load_file(str(two / "state-2.safetensors")), cont, LR["lora"], 2)
+
+
+@pytest.fixture(scope="module")
+def thinker_runs(python: str, tmp_path_factory) -> Path:
+    """GSPO (beta 0.01) on the tiny Qwen3-Omni thinker: the torch engine and veomni on 2 ranks, LoRA and full
+    fine-tuning (fsdp2's thinker runs)."""
+    root = tmp_path_factory.mktemp("thinker")
+    layout = ("--layout", "qwen3-omni")
+    for mode, lora in (("lora", True), ("full", False)):
+        _launch(python, root / mode / "torch", "torch", lora, extra=layout)
+        _launch(python, root / mode / "veomni", "veomni", lora, world=2,
+                extra=(*layout, "--save-shards") if mode == "full" else layout)
+    return root
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_gspo_on_the_qwen3_omni_thinker_on_two_veomni_ranks_matches_the_single_process(thinker_runs: Path, mode: str):
+    """The thinker in transformers 5.9's flat layout: VeOmni wraps its decoder layers, its towers, its output head
+    (a unit of its own: scoring calls it alone) and the root (embeddings, final norm; scoring runs the decoder
+    through the root's registered ``omnirl_hidden_states``); the update equals the torch engine's."""
+    import json
+
+
+    root = thinker_runs / mode
+    wrap = json.loads((root / "veomni" / "wrap.json").read_text())
+    assert wrap["flat"] and wrap["root"], wrap  # the layout this environment's transformers has
+    assert "lm_head" in wrap["units"] and "model.layers.0" in wrap["units"], wrap
+    assert wrap["head_class"].startswith("FSDPOmnirlUnitLinear"), wrap
+    # the head's own class name: no other Linear (projections, LoRA layers) became a unit with it
+    assert not any(".self_attn." in u or ".lora_" in u or u.endswith(".fc1") for u in wrap["units"]), wrap
+    init, moved = _assert_equal_runs(root, mode)
+    # trained weights under the nested layout's names (the project's transformers): weight sync to a rollout worker
+    # there, and adapter files, are the same as from any other engine
+    prefix = "model.language_model.layers." if mode == "lora" else "model.language_model."
+    allowed = (prefix,) if mode == "lora" else (prefix, "lm_head.", "model.audio_tower.", "model.visual.")
+    assert all(k.startswith(allowed) for k in init) and any(k.startswith(prefix) for k in init), sorted(init)[:5]
+    if mode == "full":  # the output head and the embeddings (units outside the blocks) learn too
+        for name in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+            assert float((moved[name] - init[name]).abs().max()) > 1e-4, name
+    ref_m = json.loads((root / "torch" / "metrics.json").read_text())
+    got_m = json.loads((root / "veomni" / "metrics.json").read_text())
+    for step, metrics in ref_m.items():
+        for key in ("loss", "kl", "grad_norm"):
+            assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_thinker_checkpoint_of_two_veomni_ranks_loads_on_one_and_training_continues(python: str, thinker_runs: Path,
+                                                                                   tmp_path: Path):
+    """Full fine-tuning: the 2-rank checkpoint (shards, and the gathered weights written by ``save_pretrained`` from
+    the flat layout) loads on one rank; step 2 there equals step 2 of the uninterrupted run."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    two = thinker_runs / "full" / "veomni"
+    with safe_open(str(two / "ckpt" / "model" / "model.safetensors"), "pt") as saved:  # the released names
+        keys = set(saved.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "audio_tower.proj1.weight" in keys
+    _launch(python, tmp_path / "one", "veomni", False, extra=("--layout", "qwen3-omni", "--load-shards",
+                                                              str(two / "ckpt")))
+    saved = load_file(str(two / "state-1.safetensors"))
+    loaded = load_file(str(tmp_path / "one" / "loaded.safetensors"))
+    assert max(float((saved[k] - loaded[k]).abs().max()) for k in saved) == 0.0
+    cont = load_file(str(tmp_path / "one" / "state-2.safetensors"))
+    _assert_same_update(load_file(str(two / "state-2.safetensors")), cont, LR["full"], 2)

@@ -9,6 +9,8 @@ prompt or (``speak=reply``) the thinker's reply generated in the same rollout; `
 
 from __future__ import annotations
 
+import re
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -68,9 +70,71 @@ class Qwen3OmniOptions(BaseModel):
                                "for the vllm engine on a CPU, whose attention takes 64 and up).")
 
 
+# The thinker's two module layouts. Nested (the project's transformers, 5.2x): ``thinker.model`` is a
+# ``Qwen3OmniMoeThinkerModel`` holding ``audio_tower``, ``visual`` and the text decoder ``language_model``, and merges the
+# media features itself. Flat (transformers 5.9, VeOmni 0.1.12's pin): the towers sit on the thinker beside a text-only
+# ``thinker.model`` (``Qwen3OmniMoeThinkerTextModel``), and the thinker's forward merges the media. Same parameters,
+# same shapes, same checkpoint files (both save and load the released names: ``model.layers.*``, ``audio_tower.*``,
+# ``visual.*``); only the in-memory names differ. The plugin speaks the nested names everywhere (LoRA target patterns,
+# ``trained_state_dict``, peft adapter files), whichever layout it runs on.
+_FLAT_TO_NESTED = (("model.", "model.language_model."), ("audio_tower.", "model.audio_tower."),
+                   ("visual.", "model.visual."))
+
+
+def nested_name(name: str) -> str:
+    """A flat-layout parameter or module name under its nested-layout name (``model.layers.0...`` ->
+    ``model.language_model.layers.0...``); other names (``lm_head.weight``) unchanged."""
+    for flat, nested in _FLAT_TO_NESTED:
+        if name.startswith(flat):
+            return nested + name[len(flat):]
+    return name
+
+
+def flat_name(name: str) -> str:
+    """The inverse of ``nested_name``."""
+    for flat, nested in _FLAT_TO_NESTED:
+        if name.startswith(nested):
+            return flat + name[len(nested):]
+    return name
+
+
+def is_flat_layout(thinker: torch.nn.Module) -> bool:
+    """Whether ``thinker`` (a ``Qwen3OmniMoeThinkerForConditionalGeneration``) has the flat layout (towers beside a
+    text-only ``model``: transformers 5.9) rather than the nested one (``model.language_model``)."""
+    return "language_model" not in dict(thinker.model.named_children())
+
+
+class _Decoded(Exception):
+    """Carries the text decoder's last hidden states out of the thinker's forward, before its output head."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+def _flat_hidden_states(thinker: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+    """The decoder's last hidden states of a flat-layout thinker: its own forward (media merging, multimodal rope
+    positions), stopped as its text model returns, so the full-vocabulary head never runs. Bound to the thinker as
+    ``omnirl_hidden_states`` and named in its ``fsdp_forward_methods``: a sharding engine makes it run the root's
+    FSDP hooks, as a call of the thinker would. The hook is added last, after any hook of an engine's."""
+
+    def stop(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        raise _Decoded(output[0])
+
+    handle = thinker.model.register_forward_hook(stop)
+    try:
+        thinker.forward(**inputs)  # forward, not __call__: the engine's hooks of the root ran for this method
+    except _Decoded as decoded:
+        return decoded.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError("the thinker's forward never called its text model")
+
+
 class Qwen3OmniThinker(CausalLMPolicy):
     capabilities = frozenset({"ar-text", "text", "lora", "image-input", "audio-input"})
-    # the text decoder's attention (the experts are fused 3-D parameters, not linear modules)
+    # the text decoder's attention (the experts are fused 3-D parameters, not linear modules); nested-layout names,
+    # matched against the nested name of each module in either layout
     default_lora_targets = r"model\.language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)"
 
     def __init__(self, module: Any, tokenizer: Any, media: MediaEncoder, options: Qwen3OmniOptions,
@@ -81,9 +145,76 @@ class Qwen3OmniThinker(CausalLMPolicy):
         config = module.config
         self.image_token_id = int(config.image_token_id)
         self.audio_token_id = int(config.audio_token_id)
+        self.flat = is_flat_layout(module)
+        if self.flat:  # the decoder is the thinker's forward minus its head: a method of the root (see hidden_states)
+            module.omnirl_hidden_states = types.MethodType(_flat_hidden_states, module)
+            module.fsdp_forward_methods = ("omnirl_hidden_states",)
+
+    # -- the two layouts ------------------------------------------------------------------------
+    def text_decoder(self) -> torch.nn.Module:
+        """The text decoder (embeddings, layers, final norm): ``model.language_model`` (nested) or ``model`` (flat)."""
+        return self.module.model if self.flat else self.module.model.language_model
 
     def frozen_modules(self) -> list[torch.nn.Module]:
-        return [self.module.model.audio_tower, self.module.model.visual]
+        towers = self.module if self.flat else self.module.model
+        return [towers.audio_tower, towers.visual]
+
+    def called_submodules(self) -> list[torch.nn.Module]:
+        """Nested: the decoder (``model``, media merging included) and the output head, as any causal LM. Flat: the
+        output head only; the decoder is the thinker itself through ``omnirl_hidden_states`` (its embeddings live
+        in ``model`` but the media merging around them in the thinker's forward, so no submodule of it can be
+        called alone), which a sharding engine registers as a forward method of the root (``fsdp_forward_methods``)."""
+        if self.flat:
+            return [self.module.get_output_embeddings()]
+        return super().called_submodules()
+
+    def hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.flat:
+            return self.module.omnirl_hidden_states(**inputs, use_cache=False)
+        return super().hidden_states(inputs)
+
+    def lora_target_names(self, patterns: Any) -> list[str]:
+        """As the base class, with the patterns matched against the nested-layout names in either layout (so that
+        the default and user patterns mean the same modules); the names returned are the module's own."""
+        if not self.flat:
+            return super().lora_target_names(patterns)
+        regexes = [re.compile(p) for p in (patterns or [self.default_lora_targets])]
+        names = []
+        for name, module in self.module.named_modules():
+            key = nested_name(name)
+            if isinstance(module, torch.nn.Linear) and any(r.fullmatch(key) or key.endswith("." + r.pattern)
+                                                           for r in regexes):
+                names.append(name)
+        if not names:
+            raise ValueError(f"no linear module matches the LoRA targets {patterns or [self.default_lora_targets]}")
+        return names
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base class's, under nested-layout names in either layout: weight sync between a flat-layout trainer
+        (VeOmni's environment) and a nested-layout rollout worker (the project's), and adapter files, agree."""
+        state = super().trained_state_dict()
+        return {nested_name(k): v for k, v in state.items()} if self.flat else state
+
+    def load_trained_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_trained_state_dict({flat_name(k): v for k, v in state.items()} if self.flat else state)
+
+    def save_trained(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> list[str]:
+        """The base class's files, the same in either layout: a full state goes to ``save_pretrained`` under the
+        module's own names (which writes the released names in both); an adapter's config names its target
+        modules by their nested-layout names, as its weights are."""
+        import json
+
+        if not self.flat:
+            return super().save_trained(directory, state)
+        if self.lora is None:
+            state = {flat_name(k): v for k, v in (state if state is not None else self.trained_state_dict()).items()}
+            return super().save_trained(directory, state)
+        files = super().save_trained(directory, state if state is not None else self.trained_state_dict())
+        config_path = directory / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["target_modules"] = sorted(nested_name(t) for t in config["target_modules"])
+        config_path.write_text(json.dumps(config, indent=2))
+        return files
 
     def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
         super().setup_training(lora, need_reference)
@@ -106,7 +237,7 @@ class Qwen3OmniThinker(CausalLMPolicy):
             self.module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        for layer in self.module.model.language_model.layers:
+        for layer in self.text_decoder().layers:
             layer.train()
 
     @property
@@ -368,6 +499,14 @@ def _create_talker(section: ModelSection, options: Qwen3OmniOptions, device: tor
                          hint="Leave model.options.speak unset (or set it to reply), or use model.options.train=talker.")
     path = _omni_path(section, options)
     omni, tokenizer = load_omni(path, dtype, options.attn_implementation)
+    if is_flat_layout(omni.thinker):
+        import transformers
+
+        raise UsageError(f"The talker is written for the nested thinker layout (thinker.model.language_model); this "
+                         f"transformers ({transformers.__version__}) has the flat one (the towers beside a text-only "
+                         "thinker.model), for which only the thinker is supported.",
+                         hint="Train the talker in the project's environment (not an engine environment with an older "
+                         "transformers), or use model.options.train=thinker.")
     model = Qwen3OmniTalker(omni.to(device), tokenizer, options.speaker, device, dtype, speak=speak, joint=joint,
                             reply_max_tokens=options.reply_max_tokens, reply_min_tokens=options.reply_min_tokens,
                             system_prompt=options.system_prompt)
