@@ -183,6 +183,7 @@ NAME_ALLOWED = {
     ("omnirl_core.testing.forkserver", "diffusers"): "the library, preloaded",
     ("omnirl_core.testing.forkserver", "transformers"): "the library, preloaded",
     ("omnirl_core.loop.interrupts", "torch"): "the library, looked up in sys.modules",
+    ("omnirl_core.host.threads", "torch"): "the library, found on disk (which OpenMP runtime it ships)",
     ("omnirl_core.data.builtin.make_sets", "color"): "a column of the colour prompt set",
     ("omnirl_core.planning.activations", "torch"): "the library's version, part of a cached trace's key",
     ("omnirl_core.planning.activations", "diffusers"): "the library's version, part of a cached trace's key",

@@ -28,7 +28,7 @@ SCRIPT = PREAMBLE + textwrap.dedent("""
 
     holder = Holder.remote()
     ray.get([holder.ping.remote(), ray.remote(lambda: 1).remote()])
-    time.sleep(2)  # the agents are up; the watchdog has listed them
+    time.sleep(6)  # the agents are up; the watchdog (listing every 1 s, later on a loaded machine) has listed them
     me = psutil.Process()
     ray_procs = [(c.pid, c.create_time(), c.name()) for c in me.children(recursive=True)
                  if "ray_watchdog" not in " ".join(c.cmdline())]
