@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ def test_an_offline_run_writes_its_files_and_a_resume_keeps_the_run_id(tmp_path:
         tracker.close()
     run_id = json.loads((tmp_path / RUN_ID_FILE).read_text())["id"]
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    # wandb names a run's directory offline-run-<time>-<id>, with "-1" added when the resume starts in the same second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs)
     assert all(list(directory.glob(f"run-{run_id}.wandb")) for directory in runs)
     # the first run's file is complete (a resume in a new process, as a real one is: tests/test_trackers.py)
     [file] = runs[0].glob(f"run-{run_id}.wandb")
