@@ -18,6 +18,7 @@ then redistributed). No pickle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,10 @@ class ShardedTrainEngine(TrainEngine):
     A subclass's ``__init__`` sets ``model``, ``train``, ``rank``, ``world_size``, ``comm_device`` (where small
     collectives live: the device for nccl), ``shuffle``, ``named_params`` (checkpoint name, parameter) and
     ``optimizer`` (AdamW-style state: ``exp_avg``, ``exp_avg_sq``, ``step``), and implements ``clip_grad_norm``.
+
+    An engine whose ranks split each sample's sequence (sequence parallelism) sets ``data_rank`` / ``data_size``: the
+    ranks of one sequence-parallel group take the same samples (the group's ``data_rank``) and ``training`` switches the
+    split forward on for the update; the gradients are still averaged over every rank (the FSDP mesh).
     """
 
     distributed = True
@@ -74,22 +79,35 @@ class ShardedTrainEngine(TrainEngine):
     named_params: list[tuple[str, torch.nn.Parameter]]
     optimizer: torch.optim.Optimizer
 
+    data_rank: int | None = None  # None: ``rank`` (every rank its own samples)
+    data_size: int | None = None  # None: ``world_size``
+
     def clip_grad_norm(self) -> float:
         """Clip the gradients to ``train.max_grad_norm`` and return their norm over every rank's shards (the same
         number on every rank: a collective)."""
         raise NotImplementedError
 
+    def training(self) -> contextlib.AbstractContextManager[None]:
+        """What the update runs under (a sequence-parallel forward); by default nothing."""
+        return contextlib.nullcontext()
+
     # -- update --------------------------------------------------------------------------------
     def update(self, algorithm: Any, units: list[Any], step: int,
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
+        with self.training():
+            return self._update(algorithm, units, step, reference)
+
+    def _update(self, algorithm: Any, units: list[Any], step: int,
+                reference: Callable[[], list[dict[str, Any]]] | None) -> dict[str, float]:
         metrics = MetricMean()
+        data_rank, data_size = self._data_rank(), self._data_size()
         prepare_all(algorithm, self.model, units, prepare_batch(self.train, len(units)), metrics, reference)
         for index, minibatch in enumerate(minibatches(units, self.train.minibatches, step, self.shuffle)):
             self.optimizer.zero_grad(set_to_none=True)
-            mine = rank_share(minibatch, self.rank, self.world_size)
+            mine = rank_share(minibatch, data_rank, data_size)
             # every rank runs as many micro-batches as the busiest one: FSDP's collectives must pair up
-            busiest = max(len(rank_share(minibatch, r, self.world_size)) for r in range(self.world_size))
+            busiest = max(len(rank_share(minibatch, r, data_size)) for r in range(data_size))
             mbs = micro_batch(self.train, busiest)
             for micro in split_even(mine, -(-busiest // mbs)):
                 loss, m = self._backward(algorithm, micro, minibatch, first_update=index == 0)
@@ -114,9 +132,16 @@ class ShardedTrainEngine(TrainEngine):
                   **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         # an empty share still joins the collectives, with a zero-weight forward/backward
         loss, m = algorithm.loss(self.model, micro or minibatch[:1], **kwargs)
-        # FSDP averages gradients over ranks: scale by the world size so they sum, like one process
-        (loss * (len(micro) / len(minibatch) * self.world_size)).backward()
+        # FSDP averages gradients over ranks: scale by the number of data shards so they sum, like one process (the
+        # ranks of a sequence-parallel group hold one shard: their gradients average to that shard's)
+        (loss * (len(micro) / len(minibatch) * self._data_size())).backward()
         return loss, m
+
+    def _data_rank(self) -> int:
+        return self.rank if self.data_rank is None else self.data_rank
+
+    def _data_size(self) -> int:
+        return self.world_size if self.data_size is None else self.data_size
 
     # -- weights for sync and export -----------------------------------------------------------
     def trained_state(self) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ The step over ranks and the sharded checkpoint are the core's ``omnirl_core.loop
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from omnirl_core.config import TrainSection
 from omnirl_core.loop.distributed import default_backend, ensure_process_group, shard_units
 from omnirl_core.loop.sharded import ShardedTrainEngine, full, local
+from omnirl_plugin_veomni.ulysses import UlyssesSwitch, install
 
 
 class VeOmniOptions(BaseModel):
@@ -58,8 +60,9 @@ class VeOmniOptions(BaseModel):
         "(model.options.gradient_checkpointing)."
     )
     ulysses_size: int = Field(
-        1, ge=1, description="Ulysses sequence-parallel size. Only 1: the plain modules omnirl trains do not call "
-        "VeOmni's sequence-parallel attention (only VeOmni's own model classes do)."
+        1, ge=1, description="Ulysses sequence-parallel size: the ranks of a group split each sample's tokens and "
+        "take the same samples (VeOmni's sequence-parallel Qwen-Image forward and attention, put on the trained "
+        "denoiser during the update); must divide the world size and the denoiser's attention heads. 1: off."
     )
     optimizer: Literal["adamw", "anyprecision_adamw"] = Field("adamw", description="VeOmni's optimizer type.")
     shuffle: bool = Field(True, description="Shuffle units (seeded by step) before splitting into minibatches.")
@@ -115,16 +118,20 @@ class VeOmniTrainEngine(ShardedTrainEngine):
         self.train = train
         self.options = options or VeOmniOptions()
         self.shuffle = self.options.shuffle
-        if self.options.ulysses_size != 1:
-            raise NotImplementedError(
-                "veomni engine: ulysses_size > 1 needs a model that calls VeOmni's sequence-parallel attention "
-                "(VeOmni's own model classes); omnirl's denoisers are plain diffusers modules.")
         device = torch.device(device)
         ensure_process_group(self.options.backend or default_backend(device.type))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.comm_device = device
-        init_parallel_state(dp_size=self.world_size, dp_shard_size=self.world_size, dp_mode="fsdp2",
-                            device_type=device.type, ulysses_size=1)
+        ulysses = self.options.ulysses_size
+        if self.world_size % ulysses:
+            raise ValueError(f"veomni engine: ulysses_size={ulysses} must divide the {self.world_size} ranks "
+                             "(train.options.ulysses_size, run.train_workers)")
+        # the FSDP mesh spans the data and sequence ranks (VeOmni's dp_shard_sp): gradients average over all of them
+        state = init_parallel_state(dp_size=self.world_size // ulysses, dp_shard_size=self.world_size // ulysses,
+                                    dp_mode="fsdp2", device_type=device.type, ulysses_size=ulysses)
+        self.switch = UlyssesSwitch()
+        if ulysses > 1:  # a sequence-parallel group's ranks take the same samples
+            self.data_rank, self.data_size = int(state.dp_rank), self.world_size // ulysses
         mixed = MixedPrecisionConfig(enable=self.options.mixed_precision, param_dtype=self.options.param_dtype,
                                      reduce_dtype=self.options.reduce_dtype)
         modules = model.trained_modules()
@@ -133,6 +140,8 @@ class VeOmniTrainEngine(ShardedTrainEngine):
         self.named_params = []
         called = model.called_submodules()
         for key, module in modules.items():
+            if ulysses > 1:
+                install(module, self.switch, ulysses)
             kwargs: dict[str, Any] = {"init_device": "meta"}
             if self.world_size == 1:
                 # VeOmni wraps nothing without FSDP; on CPU its parallelize refuses a world of one
@@ -176,6 +185,9 @@ class VeOmniTrainEngine(ShardedTrainEngine):
                 module.__dict__.pop("init_weights", None)
         if wrapped is not module:  # fully_shard works in place; DDP / TP would return another object
             raise RuntimeError(f"VeOmni returned a {type(wrapped).__name__} in place of the module")
+
+    def training(self) -> contextlib.AbstractContextManager[None]:
+        return self.switch.on() if self.options.ulysses_size > 1 else contextlib.nullcontext()
 
     def clip_grad_norm(self) -> float:
         # VeOmni's FSDP2 clipping: the norm over every rank's shards, the same number on every rank

@@ -29,7 +29,7 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowg
            "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match"]
 
 
-def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
+def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ulysses: int = 1):
     manager = PluginManager()
     manager.load_modules(PLUGINS)
     layers = [{
@@ -42,6 +42,8 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default"):
         "train": {"engine": engine, "lr": 1e-2 if lora else 1e-3, "minibatches": 2, "micro_batch_size": 2},
         "run": {"seed": 7, "output_dir": str(out / "run"), "device": "cpu"},
     }]
+    if ulysses > 1:  # one sequence-parallel group: every rank takes all 5 samples of a minibatch, 3 micro-batches
+        layers[0]["train"]["options"] = {"ulysses_size": ulysses}
     if layout == "qwen3-omni":
         # fsdp2's thinker run: GSPO (KL to the base model, so the reference policy is scored too) on the tiny
         # thinker, 4 prompts x 4 samples of up to 2 letters, 2 minibatches of 8 sequences in micro-batches of 4 (the
@@ -69,10 +71,11 @@ def main() -> None:
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
     parser.add_argument("--layout", default="default", choices=("default", "qwen3-omni"))
+    parser.add_argument("--ulysses", type=int, default=1, help="veomni's ulysses_size")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    resolved = resolved_run(args.engine, bool(args.lora), out, args.layout)
+    resolved = resolved_run(args.engine, bool(args.lora), out, args.layout, args.ulysses)
     controller = Controller(resolved, out / "run")
     worker = Worker(resolved, {"actor", "rollout"},
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -85,6 +88,21 @@ def main() -> None:
             "flat": bool(worker.model.flat), "root": isinstance(module, FSDPModule),
             "units": sorted(n for n, m in module.named_modules() if n and isinstance(m, FSDPModule)),
             "head_class": type(module.get_output_embeddings()).__name__}))
+    tokens: dict[str, list[int]] = {"rollout": [], "update": []}
+    if args.ulysses > 1:  # the image tokens the first block sees, by phase: a slice of the sequence in the update
+        phase = ["rollout"]
+        worker.model.denoiser.transformer_blocks[0].register_forward_pre_hook(
+            lambda _m, _a, kw: tokens[phase[0]].append(int(kw["hidden_states"].shape[1])), with_kwargs=True)
+        update = worker.update
+
+        def counted(*a, **kw):
+            phase[0] = "update"
+            try:
+                return update(*a, **kw)
+            finally:
+                phase[0] = "rollout"
+
+        worker.update = counted
     first = 1
     state = worker.trained_state()
     if worker.rank == 0:
@@ -110,6 +128,8 @@ def main() -> None:
             worker.save_state(out / "ckpt")
     if worker.rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
+    if args.ulysses > 1:
+        (out / f"tokens-{worker.rank}.json").write_text(json.dumps({k: sorted(set(v)) for k, v in tokens.items()}))
 
 
 if __name__ == "__main__":

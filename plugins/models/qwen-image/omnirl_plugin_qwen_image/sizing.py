@@ -91,6 +91,10 @@ def sizing(config: Any, options: Any) -> plan.ModelSizing:
 
     preset = "tiny" if config.model.preset == "tiny" else None
     components = _tiny_components() if preset else _components()
-    return plan.pipeline_sizing(config, components, ("transformer",), QwenImageModel.default_lora_targets,
-                                components["transformer"].transformer_blocks, ("text_encoder", "vae"),
-                                probe(config, options), decoder(config), preset=preset)
+    out = plan.pipeline_sizing(config, components, ("transformer",), QwenImageModel.default_lora_targets,
+                               components["transformer"].transformer_blocks, ("text_encoder", "vae"),
+                               probe(config, options), decoder(config), preset=preset)
+    # Ulysses sequence parallelism splits the joint attention's heads over the group (the tokens elsewhere)
+    _, arch, _, _ = _architecture(config)
+    out.parallel_units["sequence"] = (int(arch["num_attention_heads"]), "attention heads")
+    return out
