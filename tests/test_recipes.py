@@ -22,7 +22,7 @@ PLUGINS = [
     "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match", "omnirl_plugin_pickscore",
     "omnirl_plugin_hpsv2", "omnirl_plugin_imagereward", "omnirl_plugin_geneval", "omnirl_plugin_video",
     "omnirl_plugin_bagel", "omnirl_plugin_flux", "omnirl_plugin_qwen_image_edit", "omnirl_plugin_edit_consistency",
-    "omnirl_plugin_vlm_judge",
+    "omnirl_plugin_vlm_judge", "omnirl_plugin_veomni",
 ]
 
 

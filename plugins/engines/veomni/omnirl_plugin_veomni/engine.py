@@ -61,8 +61,9 @@ class VeOmniOptions(BaseModel):
     )
     ulysses_size: int = Field(
         1, ge=1, description="Ulysses sequence-parallel size: the ranks of a group split each sample's tokens and "
-        "take the same samples (VeOmni's sequence-parallel Qwen-Image forward and attention, put on the trained "
-        "denoiser during the update); must divide the world size and the denoiser's attention heads. 1: off."
+        "take the same samples (Qwen-Image: VeOmni's sequence-parallel forward and attention; Wan2.2: a split on "
+        "VeOmni's all-to-alls; on during the update only); must divide the world size and the denoiser's attention "
+        "heads. 1: off."
     )
     optimizer: Literal["adamw", "anyprecision_adamw"] = Field("adamw", description="VeOmni's optimizer type.")
     shuffle: bool = Field(True, description="Shuffle units (seeded by step) before splitting into minibatches.")

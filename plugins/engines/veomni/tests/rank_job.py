@@ -24,9 +24,9 @@ from omnirl_core.loop.worker import Worker
 from omnirl_core.plugins import PluginManager
 from omnirl_core.resolve import resolve_run
 
-PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_flowgrpo", "omnirl_plugin_diffusers",
-           "omnirl_plugin_torch", "omnirl_plugin_veomni", "omnirl_plugin_color", "omnirl_plugin_qwen3_omni",
-           "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match"]
+PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_wan22", "omnirl_plugin_flowgrpo",
+           "omnirl_plugin_diffusers", "omnirl_plugin_torch", "omnirl_plugin_veomni", "omnirl_plugin_color",
+           "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match"]
 
 
 def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ulysses: int = 1):
@@ -42,6 +42,18 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ul
         "train": {"engine": engine, "lr": 1e-2 if lora else 1e-3, "minibatches": 2, "micro_batch_size": 2},
         "run": {"seed": 7, "output_dir": str(out / "run"), "device": "cpu"},
     }]
+    if layout.startswith("wan-"):
+        # Wan2.2 (a14b: both experts trained, in lockstep; ti2v-5b: one transformer, a timestep per token), LoRA,
+        # 3 sampler steps (both a14b experts see trained steps); videos of 5 frames, 3 x 1 x 3 latent patches: 8 x 24
+        # for a14b (tiny VAE x4 spatial), 16 x 48 for ti2v-5b (x8)
+        video = {"height": 8, "width": 24, "num_frames": 5} if layout == "wan-a14b" else \
+            {"height": 16, "width": 48, "num_frames": 5}
+        # ti2v-5b with gradient checkpointing (the blocks recomputed in the backward, the split's hooks with them)
+        layers.append({
+            "model": {"name": "wan2.2", "options": {"layout": layout[4:], "max_sequence_length": 16,
+                                                    "gradient_checkpointing": layout == "wan-ti2v-5b"}},
+            "rollout": video,
+        })
     if ulysses > 1:  # one sequence-parallel group: every rank takes all 5 samples of a minibatch, 3 micro-batches
         layers[0]["train"]["options"] = {"ulysses_size": ulysses}
     if layout == "qwen3-omni":
@@ -70,7 +82,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
-    parser.add_argument("--layout", default="default", choices=("default", "qwen3-omni"))
+    parser.add_argument("--layout", default="default", choices=("default", "qwen3-omni", "wan-a14b", "wan-ti2v-5b"))
     parser.add_argument("--ulysses", type=int, default=1, help="veomni's ulysses_size")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -91,8 +103,13 @@ def main() -> None:
     tokens: dict[str, list[int]] = {"rollout": [], "update": []}
     if args.ulysses > 1:  # the image tokens the first block sees, by phase: a slice of the sequence in the update
         phase = ["rollout"]
-        worker.model.denoiser.transformer_blocks[0].register_forward_pre_hook(
-            lambda _m, _a, kw: tokens[phase[0]].append(int(kw["hidden_states"].shape[1])), with_kwargs=True)
+
+        def seen(_m, args, kwargs):
+            tokens[phase[0]].append(int((args[0] if args else kwargs["hidden_states"]).shape[1]))
+
+        for module in worker.model.trained_modules().values():
+            blocks = module.transformer_blocks if hasattr(module, "transformer_blocks") else module.blocks
+            blocks[0].register_forward_pre_hook(seen, with_kwargs=True)
         update = worker.update
 
         def counted(*a, **kw):

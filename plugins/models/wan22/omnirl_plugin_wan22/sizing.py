@@ -71,6 +71,9 @@ def sizing(config: Any, options: Any) -> plan.ModelSizing:
     layout = getattr(options, "layout", "a14b")
     components = _components(layout)
     trained = EXPERTS[getattr(options, "train_experts", "both")] if layout == "a14b" else ("transformer",)
-    return plan.pipeline_sizing(config, components, trained, Wan22Model.default_lora_targets,
-                                components["transformer"].blocks, ("text_encoder", "vae"),
-                                probe(config, options), decoder(config, options))
+    out = plan.pipeline_sizing(config, components, trained, Wan22Model.default_lora_targets,
+                               components["transformer"].blocks, ("text_encoder", "vae"),
+                               probe(config, options), decoder(config, options))
+    # Ulysses sequence parallelism splits the self-attention's heads over the group (the tokens elsewhere)
+    out.parallel_units["sequence"] = (int(components["transformer"].config.num_attention_heads), "attention heads")
+    return out
