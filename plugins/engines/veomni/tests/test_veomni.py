@@ -132,19 +132,20 @@ def test_ulysses_sequence_parallel_ranks_match_the_single_process_engine(python:
             assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4), (step, key)
 
 
-@pytest.mark.parametrize("layout", ["wan-a14b", "wan-ti2v-5b"])
-def test_ulysses_on_wan22_matches_the_single_process_engine(python: str, layout: str, tmp_path: Path):
-    """Wan2.2 on 2 ranks at ulysses 2 (the tiny denoisers' 2 heads): videos of 5 frames at 8 x 24 are 9 tokens,
-    padded to 10, 5 a rank in the update. A14B trains both experts (each split); TI2V-5B's timestep is per token (its
-    modulation is split with the tokens). LoRA weights after two updates, gradient norm and KL against the torch
+@pytest.mark.parametrize(("layout", "world"), [("wan-a14b", 2), ("wan-ti2v-5b", 2), ("wan-a14b", 4)])
+def test_ulysses_on_wan22_matches_the_single_process_engine(python: str, layout: str, world: int, tmp_path: Path):
+    """Wan2.2 at ulysses 2 (the tiny denoisers' 2 heads): videos of 5 frames are 9 tokens, padded to 10, 5 a rank in
+    the update. A14B trains both experts (each split); TI2V-5B's timestep is per token (its modulation is split with
+    the tokens), with gradient checkpointing. On 4 ranks: 2 groups of 2, each its own samples (3 and 2 of a
+    minibatch's 5), the FSDP mesh over all 4. LoRA weights after two updates, gradient norm and KL against the torch
     engine's."""
     import json
 
     from safetensors.torch import load_file
 
     _launch(python, tmp_path / "torch", "torch", True, extra=("--layout", layout))
-    _launch(python, tmp_path / "sp", "veomni", True, world=2, extra=("--layout", layout, "--ulysses", "2"))
-    for rank in range(2):
+    _launch(python, tmp_path / "sp", "veomni", True, world=world, extra=("--layout", layout, "--ulysses", "2"))
+    for rank in range(world):
         tokens = json.loads((tmp_path / "sp" / f"tokens-{rank}.json").read_text())
         assert tokens == {"rollout": [9], "update": [5]}, (rank, tokens)
     init = load_file(str(tmp_path / "torch" / "state-0.safetensors"))
