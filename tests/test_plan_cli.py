@@ -77,3 +77,20 @@ def test_a_plan_that_does_not_fit_tries_the_engines_other_degrees_and_no_lora_wh
     fixes = [line for line in proc.stderr.splitlines() if "fits with" in line]
     assert fixes and "--set train.options.tensor_parallel=4 --set train.options.expert_parallel=8" in fixes[0]
     assert "lora" not in proc.stderr  # the megatron engine trains no adapters (EngineSpec.trains_lora)
+
+
+def test_the_720p_wan_recipe_needs_sequence_parallelism_and_the_plan_says_so():
+    """recipes/wan2.2/flowgrpo-lora-a14b-720p-veomni-8gpu.yaml: one 81-frame 720p sample's training activations do
+    not fit an 80 GB device unsplit (fsdp2 splits weights, not tokens: no micro-batch size fits); the veomni
+    engine's Ulysses degree 5 does, and a plan at degree 1 names it as the change that fits."""
+    repo = Path(__file__).resolve().parents[1]
+    recipe = ("plan", "--recipe", "recipes/wan2.2/flowgrpo-lora-a14b-720p-veomni-8gpu.yaml", "--device-memory", "80GB")
+    split = run_cli(*recipe, "--format", "json", cwd=repo)
+    assert split.returncode == 0, split.stderr[-2000:]
+    plan = json.loads(split.stdout)
+    assert plan["fits"] and plan["parallel"] == {"sequence": 5, "data": 5}
+    whole = run_cli(*recipe, "--set", "train.options.ulysses_size=1", cwd=repo)
+    assert whole.returncode == 2 and "DOES NOT FIT" in whole.stdout
+    assert "fits with --set train.options.ulysses_size=5" in whole.stderr, whole.stderr[-2000:]
+    bad = run_cli(*recipe, "--set", "train.options.ulysses_size=3", cwd=repo)  # 3 divides neither 5 ranks nor 40 heads
+    assert bad.returncode == 2 and "40 attention heads" in bad.stderr, bad.stderr[-2000:]

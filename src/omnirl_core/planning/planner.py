@@ -544,15 +544,15 @@ def _candidates(resolved: ResolvedRun, sizing: ModelSizing, device_type: str | N
 
 
 def _degree_candidates(resolved: ResolvedRun, sizing: ModelSizing) -> list[tuple[str, dict[str, Any]]]:
-    """Other tensor / expert parallel degrees of the train engine: each one that divides the ranks and what it
-    splits, other than the configured one."""
+    """Other tensor / expert / sequence parallel degrees of the train engine: each one that divides the ranks and
+    what it splits, other than the configured one."""
     run = resolved.config.run
     ranks = run.train_workers if run.executor == "ray" and run.placement == "split" else 1
     options = resolved.dump()["train"]["options"] or {}
     out: list[tuple[str, dict[str, Any]]] = []
     for kind, option in resolved.train_engine.parallel.items():
         units = sizing.parallel_units.get(kind)
-        if kind not in PARALLEL_SPLITS or not option or units is None:
+        if kind not in (*PARALLEL_SPLITS, "sequence") or not option or units is None:
             continue
         current = options.get(option) or ranks
         for degree in range(1, ranks + 1):
