@@ -148,9 +148,9 @@ MOE = {"components": {"decoder": 8 * GIB + GIB + 2**20}, "trained": ("decoder",)
 MEGATRON = {"tensor": "tensor_parallel", "expert": "expert_parallel", "data": ""}
 
 
-def _model_parallel(options: dict, ranks: int = 8, keeps_model: bool = True):
+def _model_parallel(options: dict, ranks: int = 8, keeps_model: bool = True, device: str = "cuda"):
     config = {"model": {"dtype": "bfloat16", "lora": {"enabled": False}}, "train": {"options": options, "micro_batch_size": 4},
-              "run": {"executor": "ray", "placement": "split", "train_workers": ranks}}
+              "run": {"executor": "ray", "placement": "split", "train_workers": ranks, "device": device}}
     resolved = _resolved(config, beta=0.0, engine="megatron", parallel=MEGATRON, keeps_model=keeps_model)
     return plan_memory(resolved, None, ModelSizing(**MOE))
 
@@ -162,9 +162,14 @@ def test_tensor_and_expert_parallel_split_what_the_model_says_they_split():
     per_rank = 2**20 + GIB // 2 + 8 * GIB // 8  # norms whole, linear layers / TP, experts / EP
     assert actor["weights (megatron shards)"] == 2 * per_rank and actor["gradients"] == 2 * per_rank
     assert actor["optimizer (AdamW)"] == 4 * per_rank
-    assert actor["weights/decoder"] == 2 * MOE["trainable"]  # the model's module stays whole
-    assert "fsdp2 gathered blocks" not in actor
-    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 2, expert 8, data 4" in plan.table()
+    # the model's module stays whole, in host memory: the worker does not roll out (split placement), so the engine
+    # moves it off the accelerator (TrainEngine.rollout_elsewhere); on a CPU host and device are one memory
+    assert "weights/decoder" not in actor and "fsdp2 gathered blocks" not in actor
+    table = plan.table()
+    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 2, expert 8, data 4" in table
+    assert f"in host memory ({2 * MOE['trainable'] / GIB:.2f} GiB a rank, not on the device)" in table
+    on_cpu = _model_parallel({"tensor_parallel": 2, "expert_parallel": 8}, device="cpu").groups[0].rows
+    assert on_cpu["weights/decoder"] == 2 * MOE["trainable"]
     # without expert parallelism the experts split over the tensor-parallel ranks (megatron's expert TP)
     tp_only = _model_parallel({"tensor_parallel": 8, "expert_parallel": 1}).groups[0].rows
     assert tp_only["weights (megatron shards)"] == 2 * (2**20 + GIB // 8 + 8 * GIB // 8)

@@ -43,16 +43,17 @@ def test_omnirl_plan_names_the_degrees_and_sets_fsdp2_against_megatron_on_the_mo
 
     megatron = run_cli(*THINKER_8GPU, "--set", "train.engine=megatron", "--set", "train.options.tensor_parallel=4",
                        "--set", "train.options.expert_parallel=8")
-    assert megatron.returncode == 2, megatron.stderr[-2000:]  # does not fit
+    assert megatron.returncode == 0, megatron.stderr[-2000:]
     split = json.loads(megatron.stdout)
-    assert not split["fits"] and split["parallel"] == {"tensor": 4, "expert": 8, "data": 2}
+    assert split["fits"] and split["parallel"] == {"tensor": 4, "expert": 8, "data": 2}
     actor = split["groups"][0]["rows"]
-    assert actor["weights/thinker"] == whole  # the engine keeps the transformers thinker whole on every rank
+    # the engine keeps the transformers thinker whole, in host memory (no rollout on these workers)
+    assert "weights/thinker" not in actor
+    notes = "\n".join(split["notes"])
+    assert f"megatron keeps the model's module in host memory ({whole / 2**30:.2f} GiB a rank" in notes
     # experts (most of the decoder) over 8 ranks, attention and embeddings over 4: about fsdp2's eighth
     assert 0.8 * fsdp2_actor["gradients"] < actor["gradients"] < 1.2 * fsdp2_actor["gradients"]
-    assert "does not fit in 75 GiB per device" in megatron.stderr
-    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 4, expert 8, data 2" in \
-        "\n".join(split["notes"])
+    assert "parallel degrees of train engine 'megatron' over 8 ranks: tensor 4, expert 8, data 2" in notes
 
 
 def test_a_parallel_degree_that_does_not_fit_the_ranks_or_the_model_is_a_usage_error():
@@ -70,13 +71,12 @@ def test_a_parallel_degree_that_does_not_fit_the_ranks_or_the_model_is_a_usage_e
     assert "train.options.tensor_parallel=2 (tensor parallel) does not divide the 1 train rank" in dry.stderr
 
 
-def test_a_plan_that_does_not_fit_tries_the_engines_other_degrees_and_no_lora_where_it_has_none():
-    proc = run_cli(*THINKER_8GPU[:8], "250GiB", *THINKER_8GPU[9:-2], "--set", "train.engine=megatron", "--set",
-                   "train.options.tensor_parallel=1")
+def test_a_plan_that_does_not_fit_tries_the_engines_other_degrees():
+    proc = run_cli(*THINKER_8GPU[:-2], "--set", "train.engine=megatron", "--set", "train.options.tensor_parallel=1")
     assert proc.returncode == 2, proc.stderr[-2000:]
     fixes = [line for line in proc.stderr.splitlines() if "fits with" in line]
-    assert fixes and "--set train.options.tensor_parallel=4 --set train.options.expert_parallel=8" in fixes[0]
-    assert "lora" not in proc.stderr  # the megatron engine trains no adapters (EngineSpec.trains_lora)
+    # data parallel 8 holds every weight on every rank; tensor parallel 4 (with a smaller batch) fits
+    assert fixes and "--set train.options.tensor_parallel=4" in fixes[0], fixes
 
 
 def test_the_720p_wan_recipe_needs_sequence_parallelism_and_the_plan_says_so():

@@ -175,6 +175,22 @@ class CausalLMPolicy(TokenModel):
         # eval mode: no dropout, so that rollout, recompute and update see one deterministic policy
         self.module.eval()
 
+    @property
+    def has_reference_copy(self) -> bool:
+        """Whether a frozen copy of the weights made before training is kept (full fine-tuning with a reference)."""
+        return self._reference_copy is not None
+
+    def drop_reference_copy(self) -> None:
+        """Free that copy: a train engine that scores the reference with weights of its own (megatron's shards)."""
+        self._reference_copy = None
+
+    def move_to(self, device: torch.device | str) -> None:
+        """Move the module (and the reference copy) to ``device``. ``self.device``, where inputs are put, stays:
+        a train engine that scores with its own copy of the weights keeps this one in host memory."""
+        self.module.to(device)
+        if self._reference_copy is not None:
+            self._reference_copy.to(device)
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 

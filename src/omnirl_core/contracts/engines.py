@@ -63,6 +63,11 @@ class TrainEngine(ABC):
         checkpoint's exported weights hold. A sharded engine gathers them: a collective, every rank calls it."""
         return self.model.trained_state_dict()
 
+    def rollout_elsewhere(self) -> None:
+        """Called once after setup on a worker that does not roll out (a separate rollout worker samples): an engine
+        that trains and scores its own copy of the weights may move the model's module off the accelerator. Nothing
+        by default."""
+
     def save_state(self, directory: Path, rank: int) -> list[str]:
         """Write this engine's part of a checkpoint into ``directory``; returns the paths written. Every rank
         calls it (a sharded engine writes each rank's shard)."""

@@ -168,6 +168,8 @@ class Worker:
         if "rollout" in self.roles:
             self.rollout = built(r.rollout_engine, RolloutEngine, r.rollout_engine.load_factory()(
                 self.model, r.options.get("rollout.options"), device))
+        elif self.trainer is not None:
+            self.trainer.rollout_elsewhere()
         if cfg.model.compile:
             compile_trained(self.model)
 

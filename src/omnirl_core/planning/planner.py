@@ -409,15 +409,26 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
 
     actor: dict[str, int] = {}
     export = 0
+    host_model = 0  # bytes of the model's module a train rank keeps in host memory instead
     if model_parallel:
         per_rank = trained_per_rank(sizing, degrees)
         if engine.keeps_model:
-            weights(actor, 1)  # the model's module, whole, besides the engine's own shards
+            # the model's module, whole, besides the engine's own shards: on the device, or in host memory where the
+            # worker does not roll out (split placement on an accelerator: ``TrainEngine.rollout_elsewhere``)
+            if split and (device_type or run.device) != "cpu":
+                host_model = sum(sizing.components.values()) * wb
+            else:
+                weights(actor, 1)
             actor[f"weights ({engine.name} shards)"] = per_rank * tb
             if sizing.lora:  # the engine's own layout holds the frozen base too, besides its adapter shards
                 actor[f"weights ({engine.name} frozen base shards)"] = base_per_rank(sizing, degrees) * wb
-            # after each optimizer step: every rank's shards gathered, and the whole weights rebuilt from them
-            export = ((ranks + 1) * per_rank + trainable) * tb
+            # after each optimizer step the shards are gathered and converted into the module: the adapters at
+            # once; full weights a block at a time (every rank's piece of it, the whole block twice: both layouts)
+            if sizing.lora or not sizing.largest_block:
+                export = ((ranks + 1) * per_rank + trainable) * tb
+            else:
+                piece = sizing.largest_block * per_rank // max(1, trainable)
+                export = (ranks * piece + 2 * sizing.largest_block) * tb
         else:
             weights(actor, 1)
             for name in sizing.trained:  # the trained components' trainable part, this rank's share of it
@@ -434,7 +445,8 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
         actor["gradients"] = trainable * tb // shard
         actor["optimizer (AdamW)"] = 2 * trainable * tb // shard
     if uses_reference and not sizing.lora and run.reference == "actor":
-        actor["reference copy"] = trained_numel * wb
+        # an engine with its own layout keeps its initial shards frozen (and frees the module's copy)
+        actor["reference copy"] = per_rank * wb if model_parallel and engine.keeps_model else trained_numel * wb
     if ema:
         actor["EMA copy"] = trainable * tb // (1 if model_parallel else shard)
     if sharded and sizing.largest_block:
@@ -445,9 +457,11 @@ def plan_memory(resolved: ResolvedRun, device_memory: int | None = None, sizing:
         notes.append(f"parallel degrees of train engine '{engine.name}' over {ranks} rank{'s' * (ranks != 1)}: "
                      f"{degrees_text(degrees)}")
     if export:
-        notes.append(f"{engine.name} keeps the model's module whole on every rank and gathers every rank's shards "
-                     f"after each optimizer step: weight export {export / GIB:.2f} GiB (after the backward, so it "
-                     f"takes turns with the training activations {train_act / GIB:.2f} GiB)")
+        where = f"in host memory ({host_model / GIB:.2f} GiB a rank, not on the device)" if host_model else \
+            "whole on every rank"
+        notes.append(f"{engine.name} keeps the model's module {where} and gathers the shards into it after each "
+                     f"optimizer step: weight export {export / GIB:.2f} GiB (after the backward, so it takes turns "
+                     f"with the training activations {train_act / GIB:.2f} GiB)")
     if split:
         rollout: dict[str, int] = {}
         weights(rollout, 1)

@@ -10,8 +10,10 @@ policy's weights, converted from the transformers layout (``thinker.to_megatron`
 thinker's peft adapters compute, starting from them (``lora.py``); (3) a torch AdamW over the local shards of
 what is trained (megatron's own optimizer allocates CUDA tensors; AdamW is elementwise, so over shards it is AdamW
 over the whole weights). The transformers thinker stays the policy the rollout engines sample from and the
-checkpoint's layout: after every optimizer step the engine gathers the shards (the adapters, with LoRA) and
-copies them into it.
+checkpoint's layout: after every optimizer step the engine gathers the shards (a decoder layer at a time; the adapters
+at once, with LoRA) and copies them into it; where this worker does not roll out it keeps the thinker in host memory
+(``rollout_elsewhere``). The reference policy is scored in megatron (LoRA: the adapters off; full fine-tuning: a
+frozen copy of the initial shards), so the thinker's own reference copy is freed.
 
 One training step is the torch engine's (``prepare_all``, minibatches of whole samples, micro-batches through
 ``algorithm.loss``, rollout-correction fix-ups, clipping, ``finite_update``, ``after_optimizer_step``), with the
@@ -91,15 +93,16 @@ class MegatronOptions(BaseModel):
 
 class MegatronPolicy(CausalLMPolicy):
     """The thinker as the algorithm scores it during an update: the transformers policy's tokenizer and prompts,
-    the megatron decoder's hidden states and logits. Inside ``reference()`` it scores with the transformers policy's
-    reference (the frozen copy), which takes no part in training."""
+    the megatron decoder's hidden states and logits. Inside ``reference()`` it scores the reference policy in
+    megatron too: with LoRA the same shards with the adapters off, in full fine-tuning a frozen copy of the initial
+    shards (the engine's ``reference_gpt``). The transformers module takes no part in scoring."""
 
     def __init__(self, policy: CausalLMPolicy, gpt: Any, engine: MegatronTrainEngine):
         super().__init__(policy.module, policy.tokenizer, policy.device, policy.dtype)
         self.policy = policy
         self.gpt = gpt
         self.engine = engine
-        self._in_reference = False
+        self.lora = policy.lora
 
     def media_inputs(self, media: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if any(media):
@@ -108,23 +111,24 @@ class MegatronPolicy(CausalLMPolicy):
         return {}
 
     def hidden_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self._in_reference:
-            return self.policy.hidden_states(inputs)
-        return self.engine.decoder_hidden(inputs["input_ids"])
+        return self.engine.decoder_hidden(inputs["input_ids"], self.gpt)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._in_reference:
-            return self.policy.output_logits(hidden)
-        return self.engine.output_logits(hidden)
+        return self.engine.output_logits(hidden, self.gpt)
 
     @contextmanager
     def reference(self) -> Iterator[None]:
-        with self.policy.reference():
-            self._in_reference = True
-            try:
+        if self.lora is not None:
+            with lora.disabled(self.gpt):
                 yield
-            finally:
-                self._in_reference = False
+            return
+        if self.engine.reference_gpt is None:
+            raise RuntimeError("no reference policy: the run keeps none (a separate reference worker, or beta 0)")
+        trained, self.gpt = self.gpt, self.engine.reference_gpt
+        try:
+            yield
+        finally:
+            self.gpt = trained
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -163,8 +167,21 @@ class MegatronTrainEngine(TrainEngine):
 
                 model_parallel_cuda_manual_seed(0)
             shims.router_without_transformer_engine()
-            self.gpt = thinker.build_gpt(self.config, model.dtype, tp, ep).to(device).eval()
-            self._load_hf_weights()
+            # the model's gradient checkpointing is megatron's activation recompute here
+            self.recompute = bool(getattr(getattr(model, "options", None), "gradient_checkpointing", False))
+            self.gpt = thinker.build_gpt(self.config, model.dtype, tp, ep, self.recompute).to(device).eval()
+            # megatron recomputes only in training mode: the decoder block alone gets it (its MoE layers refuse
+            # training mode with tensor parallelism but no sequence parallelism; dropout is 0 either way)
+            self.gpt.decoder.training = self.recompute
+            self._load_hf_weights(self.gpt)
+            # full fine-tuning with a reference on this worker: the initial shards, frozen (scored in megatron, so
+            # the transformers copy the policy made for it is freed)
+            self.reference_gpt = None
+            if model.lora is None and model.has_reference_copy:
+                self.reference_gpt = thinker.build_gpt(self.config, model.dtype, tp, ep).to(device).eval()
+                self._load_hf_weights(self.reference_gpt)
+                self.reference_gpt.requires_grad_(False)
+                model.drop_reference_copy()
             if peft:
                 self._add_adapters(peft, adapted, tp)
         self.params = [(n, p) for n, p in self.gpt.named_parameters() if p.requires_grad]
@@ -232,12 +249,12 @@ class MegatronTrainEngine(TrainEngine):
         same_tokens = set(dist.get_process_group_ranks(self.tp_group))
         self.token_copies = len(same_tokens & set(dist.get_process_group_ranks(self.expert_group)))
 
-    def _load_hf_weights(self) -> None:
+    def _load_hf_weights(self, gpt: Any) -> None:
         # with LoRA, peft holds each adapted layer's weight as ``<layer>.base_layer.weight``
         hf = {k.replace(".base_layer.", "."): v for k, v in self.model.module.state_dict().items() if ".lora_" not in k}
         full = thinker.to_megatron({k: hf[k] for k in thinker.hf_names(self.config)}, self.config)
         local = thinker.shard(full, self.layout, self.config.num_experts)
-        result = self.gpt.load_state_dict({k: v.to(self.device) for k, v in local.items()}, strict=False)
+        result = gpt.load_state_dict({k: v.to(self.device) for k, v in local.items()}, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"weight conversion: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
@@ -268,7 +285,7 @@ class MegatronTrainEngine(TrainEngine):
             weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([row], device=grad.device), 0.0))
 
     # -- forward (MegatronPolicy calls these) --------------------------------------------------
-    def decoder_hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def decoder_hidden(self, input_ids: torch.Tensor, gpt: Any) -> torch.Tensor:
         """Hidden states (B, S, H). With data parallelism every rank's batch is padded to the largest (B, S) of
         the group first: the expert all-gather takes equal sizes from every rank."""
         with shims.cpu_placement(self.on_cpu):
@@ -280,11 +297,17 @@ class MegatronTrainEngine(TrainEngine):
                                     device=input_ids.device)
                 padded[:batch, :length] = input_ids
                 input_ids = padded
-            return thinker.decoder_hidden(self.gpt, input_ids)[:batch, :length]
+            return thinker.decoder_hidden(gpt, input_ids)[:batch, :length]
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def output_logits(self, hidden: torch.Tensor, gpt: Any) -> torch.Tensor:
         with shims.cpu_placement(self.on_cpu):
-            return thinker.output_logits(self.gpt, hidden)
+            return thinker.output_logits(gpt, hidden)
+
+    def rollout_elsewhere(self) -> None:
+        """No rollout on this worker: the transformers thinker (only the export target now) goes to host memory, so
+        the accelerator holds the shards, their gradients and optimizer state, and the activations."""
+        if not self.on_cpu:
+            self.model.move_to("cpu")
 
     # -- update --------------------------------------------------------------------------------
     def update(self, algorithm: Any, units: list[Any], step: int,
@@ -393,18 +416,27 @@ class MegatronTrainEngine(TrainEngine):
 
     def _export(self) -> None:
         """Copy the trained weights into the transformers policy (what the rollout samples and checkpoints
-        save). Collective."""
-        with shims.cpu_placement(self.on_cpu):
-            pieces = self._gathered({n: p for n, p in self.params})
-        full = thinker.unshard(pieces, self.config.num_experts)
+        save). Collective. Full fine-tuning gathers one decoder layer at a time (then the embedding, final norm and
+        head), so what a rank holds for it at once is one layer, whole, twice (megatron's and transformers' layout)
+        besides every rank's piece of it."""
         if self.model.lora is not None:  # the adapters, under peft's names: the weight-sync path's LoRA state
-            self.model.load_trained_state_dict(lora.to_peft(full))
+            with shims.cpu_placement(self.on_cpu):
+                pieces = self._gathered({n: p for n, p in self.params})
+            self.model.load_trained_state_dict(lora.to_peft(thinker.unshard(pieces, self.config.num_experts)))
             return
-        hf = thinker.to_hf(full, self.config)
+        parts: dict[int | None, dict[str, torch.Tensor]] = {}
+        for name, param in self.params:  # the same names on every rank, in the same order
+            parts.setdefault(thinker.layer_of(name), {})[name] = param
         state = self.model.module.state_dict()
-        with torch.no_grad():
-            for name, value in hf.items():
-                state[name].copy_(value)
+        for layer, tensors in parts.items():
+            with shims.cpu_placement(self.on_cpu):
+                pieces = self._gathered(tensors)
+            full = thinker.unshard(pieces, self.config.num_experts)
+            hf = thinker.to_hf(full, self.config, layers=[] if layer is None else [layer], outside=layer is None)
+            with torch.no_grad():
+                for name, value in hf.items():
+                    state[name].copy_(value)
+            del pieces, full, hf
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The trained weights as whole CPU tensors in the model's layout, the adapters under peft's names with

@@ -28,6 +28,8 @@ parameter ``decoder.layers.{i}.self_attention.linear_{qkv,proj}.lora_{A,B}.{p}``
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -109,6 +111,7 @@ class _Adapted(torch.nn.Module):
         super().__init__()
         self.base_layer = base
         self.scale = scale
+        self.enabled = True  # off: the base layer alone (the reference policy, ``disabled``)
         self.lora_A = torch.nn.ParameterDict(
             {p: torch.nn.Parameter(torch.zeros(a, dtype=dtype, device=device)) for p, (a, _) in shapes.items()})
         self.lora_B = torch.nn.ParameterDict(
@@ -130,6 +133,8 @@ class LoraQKV(_Adapted):
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         out, bias = self.base_layer(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
         x = x.to(next(iter(self.lora_A.values())).dtype)
         deltas = {p: self.branch(copy_to_tensor_model_parallel_region(torch.nn.functional.linear(x, a)), p)
                   for p, a in self.lora_A.items()}
@@ -147,6 +152,8 @@ class LoraProj(_Adapted):
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
         out, bias = self.base_layer(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
         partial = torch.nn.functional.linear(x.to(self.lora_A["o"].dtype), self.lora_A["o"])
         return (out + self.branch(reduce_from_tensor_model_parallel_region(partial), "o")).to(out.dtype), bias
 
@@ -169,3 +176,16 @@ def add_adapters(gpt: Any, config: Any, layers: dict[int, list[str]], rank: int,
         if "o" in projections:
             attention.linear_proj = LoraProj(attention.linear_proj, rank, scale, rows["q"], config.hidden_size,
                                              dtype, device)
+
+
+@contextmanager
+def disabled(gpt: torch.nn.Module) -> Iterator[None]:
+    """The base model: every adapter of ``gpt`` off (peft's ``disable_adapter``, the LoRA reference policy)."""
+    layers = [m for m in gpt.modules() if isinstance(m, _Adapted)]
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enabled = True

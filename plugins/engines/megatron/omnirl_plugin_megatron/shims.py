@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 _lock = threading.RLock()
 _depth = 0
@@ -43,10 +44,14 @@ def cpu_placement(active: bool) -> Iterator[None]:
     if not active:
         yield
         return
+    from megatron.core import tensor_parallel
+
     with _lock:
         original = torch.cuda.current_device
+        checkpoint = tensor_parallel.checkpoint
         if _depth == 0:
             torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
+            tensor_parallel.checkpoint = _torch_checkpoint
         _depth += 1
     try:
         yield
@@ -55,6 +60,13 @@ def cpu_placement(active: bool) -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 torch.cuda.current_device = original
+                tensor_parallel.checkpoint = checkpoint
+
+
+def _torch_checkpoint(function: Any, distribute_saved_activations: bool, *args: Any) -> Any:
+    """megatron's activation recompute (``recompute_granularity="full"``) on a CPU: its ``CheckpointFunction`` saves
+    and restores CUDA RNG states; torch's non-reentrant checkpoint does the same recompute with the CPU's."""
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def install_cpu_rng_tracker(seed: int) -> None:

@@ -36,6 +36,7 @@ import torch
 PREFIX = "model.language_model."
 LORA = re.compile(r"\.linear_(qkv|proj)\.lora_([AB])\.[qkvo]$")
 EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,10 @@ def moe_layers(config: Any) -> list[int]:
             for i in range(config.num_hidden_layers)]
 
 
-def build_gpt(config: Any, dtype: torch.dtype, tp: int, ep: int) -> Any:
+def build_gpt(config: Any, dtype: torch.dtype, tp: int, ep: int, recompute: bool = False) -> Any:
     """The text decoder as a megatron ``GPTModel`` on this rank (CPU initialisation; the weights are then loaded
-    by ``load_into``). Process groups must exist (``initialize_model_parallel``)."""
+    by ``load_into``). Process groups must exist (``initialize_model_parallel``). ``recompute``: megatron's full
+    activation recompute, one layer at a time (the model's ``gradient_checkpointing``)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -122,6 +124,8 @@ def build_gpt(config: Any, dtype: torch.dtype, tp: int, ep: int) -> Any:
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
+        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
     spec = get_gpt_decoder_block_spec(tf, use_transformer_engine=False, normalization="RMSNorm")
     return GPTModel(config=tf, transformer_layer_spec=spec, vocab_size=config.vocab_size,
@@ -297,13 +301,26 @@ def to_megatron(hf: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Ten
     return out
 
 
-def to_hf(full: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """Whole megatron-layout tensors -> transformers tensors (``hf_names``), the inverse of ``to_megatron``."""
-    out = {f"{PREFIX}embed_tokens.weight": full["embedding.word_embeddings.weight"],
-           f"{PREFIX}norm.weight": full["decoder.final_layernorm.weight"]}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = full["output_layer.weight"]
+def layer_of(name: str) -> int | None:
+    """The decoder layer a megatron parameter belongs to; None: the embedding, final norm or output head."""
+    match = LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def to_hf(full: dict[str, torch.Tensor], config: Any, layers: list[int] | None = None,
+          outside: bool = True) -> dict[str, torch.Tensor]:
+    """Whole megatron-layout tensors -> transformers tensors (``hf_names``), the inverse of ``to_megatron``; only the
+    decoder ``layers`` given (None: all) and, with ``outside``, the embedding, final norm and head (a part at a
+    time: the export converts one layer's gathered tensors at a time)."""
+    out: dict[str, torch.Tensor] = {}
+    if outside:
+        out[f"{PREFIX}embed_tokens.weight"] = full["embedding.word_embeddings.weight"]
+        out[f"{PREFIX}norm.weight"] = full["decoder.final_layernorm.weight"]
+        if not config.tie_word_embeddings:
+            out["lm_head.weight"] = full["output_layer.weight"]
     for i, moe in enumerate(moe_layers(config)):
+        if layers is not None and i not in layers:
+            continue
         hf_p, mg = f"{PREFIX}layers.{i}.", f"decoder.layers.{i}."
         out.update({h: full[m] for h, m in _layer_maps(i)})
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):

@@ -30,11 +30,13 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo"
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0}  # scale 2: a wrong scale would show
 
 
-def resolved_run(engine: str, options: dict, out: Path, beta: float, micro_batch_size: int, lora: bool = False):
+def resolved_run(engine: str, options: dict, out: Path, beta: float, micro_batch_size: int, lora: bool = False,
+                 checkpointing: bool = False):
     manager = PluginManager()
     manager.load_modules(PLUGINS)
     layers = [{
-        "model": {"name": "qwen3-omni", "preset": "tiny", "lora": LORA if lora else {"enabled": False}},
+        "model": {"name": "qwen3-omni", "preset": "tiny", "lora": LORA if lora else {"enabled": False},
+                  "options": {"gradient_checkpointing": checkpointing}},
         "algorithm": {"name": "gspo", "options": {"beta": beta}},
         # 4 prompts x 4 samples of up to 2 tokens; 2 minibatches of 8 sequences in micro-batches of 4
         "rollout": {"prompts_per_step": 4, "group_size": 4},
@@ -60,22 +62,39 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-shards", action="store_true")
     parser.add_argument("--load-shards", default=None)
+    parser.add_argument("--checkpointing", action="store_true", help="model.options.gradient_checkpointing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = resolved_run(args.engine, json.loads(args.options), out, args.beta, args.micro_batch_size,
-                            args.lora)
+                            args.lora, args.checkpointing)
     controller = Controller(resolved, out / "run")
     worker = Worker(resolved, {"actor", "rollout"},
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    recomputed = [0]
+    if args.engine == "megatron":  # count megatron's activation recompute (its checkpoint call, shimmed on a CPU)
+        from omnirl_plugin_megatron import shims
+
+        plain = shims._torch_checkpoint
+
+        def counted(*a, **kw):
+            recomputed[0] += 1
+            return plain(*a, **kw)
+
+        shims._torch_checkpoint = counted
     worker.setup()
     if args.engine == "megatron":  # what this rank holds, in bytes, for the memory plan's test
         engine = worker.trainer
         module = {id(t): t for t in engine.model.module.state_dict(keep_vars=True).values()}
         held = {"megatron_params": sum(p.numel() * p.element_size() for p in engine.gpt.parameters()),
                 "module": sum(t.numel() * t.element_size() for t in module.values()),
-                "layout": engine.layout.to_json()}
+                "layout": engine.layout.to_json(),
+                # the reference policy: megatron's frozen shards (full fine-tuning), not the transformers copy
+                "reference_shards": sum(p.numel() * p.element_size() for p in engine.reference_gpt.parameters())
+                if engine.reference_gpt is not None else 0,
+                "reference_copy": engine.model.has_reference_copy,
+                "recompute": engine.gpt.config.recompute_granularity}
         (out / f"held-{worker.rank}.json").write_text(json.dumps(held))
     first = 1
     state = worker.trained_state()
@@ -102,6 +121,7 @@ def main() -> None:
             (out / f"outputs-{step}.json").write_text(json.dumps([s.output for s in samples]))
         if step == 1 and args.save_shards:
             worker.save_state(out / "ckpt")
+    (out / f"recomputed-{worker.rank}.json").write_text(json.dumps(recomputed[0]))
     if worker.rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
 

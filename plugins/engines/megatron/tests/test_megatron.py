@@ -72,10 +72,11 @@ def _max_diff(a: Path, b: Path) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron")
-    out = {"torch": _job(root / "torch", "torch")}
+    # GSPO with a KL term (beta 0.01): the reference policy is scored too (megatron: its frozen initial shards)
+    out = {"torch": _job(root / "torch", "torch", 1, None, "--beta", "0.01")}
     for name, options in LAYOUTS.items():
         extra = ("--save-shards",) if name == "tp2" else ()
-        out[name] = _job(root / name, "megatron", 2, options, *extra)
+        out[name] = _job(root / name, "megatron", 2, options, "--beta", "0.01", *extra)
     return out
 
 
@@ -206,6 +207,8 @@ def test_the_memory_plan_holds_what_each_rank_of_the_engine_holds(runs: dict[str
     print(f"{layout}: planned shards {actor.rows['weights (megatron shards)']} B, thinker "
           f"{actor.rows['weights/thinker']} B; held {[(h['megatron_params'], h['module']) for h in held]}")
     for rank in held:
+        # GSPO's KL term scores the reference in megatron (its initial shards, frozen); the transformers copy is freed
+        assert rank["reference_shards"] == rank["megatron_params"] and not rank["reference_copy"], rank
         assert actor.rows["weights (megatron shards)"] == rank["megatron_params"]
         assert actor.rows["gradients"] == rank["megatron_params"]
         assert actor.rows["optimizer (AdamW)"] == 2 * rank["megatron_params"]
@@ -252,6 +255,23 @@ def test_two_ranks_match_the_single_process_engine(runs: dict[str, Path], layout
     for step in ("1", "2"):
         assert ours[step]["logprob/abs_delta_max"] < 1e-5  # megatron's scoring = the rollout's log-probs
         assert abs(ours[step]["loss"] - theirs[step]["loss"]) < 1e-5
+        # the KL to the reference (megatron's frozen shards vs the torch engine's transformers copy)
+        assert theirs[step]["kl"] > 1e-5 and abs(ours[step]["kl"] - theirs[step]["kl"]) < 1e-6, (step, ours[step]["kl"])
+
+
+def test_gradient_checkpointing_is_megatrons_recompute_and_changes_nothing(runs: dict[str, Path], tmp_path: Path):
+    """``model.options.gradient_checkpointing``: megatron's full activation recompute, one layer at a time (on a CPU
+    through torch's checkpoint, ``shims``): the same tensor-parallel run, the same weights after two steps."""
+    run = _job(tmp_path / "recompute", "megatron", 2, LAYOUTS["tp2"], "--beta", "0.01", "--checkpointing")
+    assert json.loads((run / "held-0.json").read_text())["recompute"] == "full"
+    assert json.loads((runs["tp2"] / "held-0.json").read_text())["recompute"] is None
+    # each of the 2 layers checkpointed in every training forward (none without the option)
+    assert json.loads((run / "recomputed-0.json").read_text()) >= 2
+    assert json.loads((runs["tp2"] / "recomputed-0.json").read_text()) == 0
+    for step in (1, 2):
+        diff = _max_diff(runs["tp2"] / f"state-{step}.safetensors", run / f"state-{step}.safetensors")
+        print(f"recompute step {step}: max |with - without| = {diff:.3g}")
+        assert diff <= BOUND / 10, (step, diff)
 
 
 def test_checkpoint_resumes_exactly_on_the_same_layout(runs: dict[str, Path], tmp_path: Path):
@@ -259,7 +279,7 @@ def test_checkpoint_resumes_exactly_on_the_same_layout(runs: dict[str, Path], tm
     assert {p.name for p in (saved / "ckpt" / "shards").glob("*.safetensors")} == \
         {"rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"}
     assert (saved / "ckpt" / "model" / "config.json").is_file()
-    again = _job(tmp_path / "again", "megatron", 2, LAYOUTS["tp2"], "--load-shards", str(saved / "ckpt"))
+    again = _job(tmp_path / "again", "megatron", 2, LAYOUTS["tp2"], "--beta", "0.01", "--load-shards", str(saved / "ckpt"))
     assert _max_diff(saved / "state-1.safetensors", again / "loaded.safetensors") == 0.0
     assert _max_diff(saved / "state-2.safetensors", again / "state-2.safetensors") == 0.0
 
@@ -267,7 +287,7 @@ def test_checkpoint_resumes_exactly_on_the_same_layout(runs: dict[str, Path], tm
 @pytest.mark.parametrize(("world", "layout"), [(1, {}), (2, LAYOUTS["ep2"])], ids=["one-rank", "expert-parallel"])
 def test_checkpoint_loads_on_another_layout(runs: dict[str, Path], tmp_path: Path, world: int, layout: dict):
     saved = runs["tp2"]
-    moved = _job(tmp_path / "moved", "megatron", world, layout, "--load-shards", str(saved / "ckpt"))
+    moved = _job(tmp_path / "moved", "megatron", world, layout, "--beta", "0.01", "--load-shards", str(saved / "ckpt"))
     assert _max_diff(saved / "state-1.safetensors", moved / "loaded.safetensors") == 0.0
     assert _max_diff(saved / "state-2.safetensors", moved / "state-2.safetensors") <= BOUND
 
