@@ -195,3 +195,23 @@ def test_bypass_falls_back_to_recompute_when_rejections_persist_and_resume_keeps
     resumed.run()
     last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 4 and last["correction/recompute"] == 1.0
+
+
+def test_a_worker_that_does_not_roll_out_tells_its_train_engine(tmp_path: Path, monkeypatch):
+    """``TrainEngine.rollout_elsewhere``: called once on a train worker of the split placement (an engine that scores
+    with its own copy of the weights, megatron's, then moves the model's module to host memory), never on a worker
+    that rolls out too."""
+    from omnirl_core.contracts.engines import TrainEngine
+
+    calls: list[str] = []
+    monkeypatch.setattr(TrainEngine, "rollout_elsewhere", lambda self: calls.append(type(self).__name__))
+    _controller, actor, rollout = _workers(tmp_path / "split", lora=True)
+    assert len(calls) == 1 and actor.trainer is not None and rollout.trainer is None
+    manager = PluginManager()
+    manager.load_modules(PLUGINS)
+    colocated = Worker(resolve_run(manager, [{
+        "model": {"name": "qwen-image", "preset": "tiny"}, "algorithm": {"name": "flowgrpo"},
+        "rewards": [{"name": "color"}], "run": {"device": "cpu", "output_dir": str(tmp_path / "colocated")}}]),
+        {"actor", "rollout"})
+    colocated.setup()
+    assert colocated.trainer is not None and len(calls) == 1
