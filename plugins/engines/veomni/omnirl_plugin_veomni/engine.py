@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
@@ -55,10 +55,20 @@ class VeOmniOptions(BaseModel):
     reduce_dtype: Literal["bfloat16", "float16", "float32"] = Field("float32", description="Gradient reduction "
                                                                     "dtype with mixed_precision.")
     gradient_checkpointing: bool = Field(
-        False, description="VeOmni's gradient checkpointing (gradient_checkpointing_enable, transformers-style "
-        "modules only); a diffusers denoiser checkpoints through the model's own option "
-        "(model.options.gradient_checkpointing)."
+        False, description="Refused: VeOmni's switch (gradient_checkpointing_enable on transformers-style modules) "
+        "does nothing on omnirl's policies, which stay in eval mode (no dropout) while transformers checkpoints only "
+        "in training mode. Use the model's model.options.gradient_checkpointing (every model plugin has it)."
     )
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _checkpointing_is_the_models(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("veomni's gradient_checkpointing would do nothing here (omnirl keeps the policy in eval "
+                             "mode; transformers checkpoints in training mode only): set "
+                             "model.options.gradient_checkpointing=true instead")
+        return value
+
     ulysses_size: int = Field(
         1, ge=1, description="Ulysses sequence-parallel size: the ranks of a group split each sample's tokens and "
         "take the same samples (Qwen-Image: VeOmni's sequence-parallel forward and attention; Wan2.2: a split on "
@@ -177,7 +187,7 @@ class VeOmniTrainEngine(ShardedTrainEngine):
         module.__dict__["init_weights"] = _restore_into(module, snapshot)  # shadows any class method
         try:
             wrapped = build(module, weights_path=None, enable_reshard_after_forward=self.options.reshard_after_forward,
-                            mixed_precision=mixed, enable_gradient_checkpointing=self.options.gradient_checkpointing,
+                            mixed_precision=mixed, enable_gradient_checkpointing=False,
                             basic_modules=blocks, **kwargs)
         finally:
             if had:

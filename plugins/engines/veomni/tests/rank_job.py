@@ -29,7 +29,8 @@ PLUGINS = ["omnirl_plugin_cpu", "omnirl_plugin_qwen_image", "omnirl_plugin_wan22
            "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo", "omnirl_plugin_transformers", "omnirl_plugin_answer_match"]
 
 
-def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ulysses: int = 1):
+def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ulysses: int = 1,
+                 options: dict | None = None, checkpointing: bool = False):
     manager = PluginManager()
     manager.load_modules(PLUGINS)
     layers = [{
@@ -56,6 +57,8 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ul
         })
     if ulysses > 1:  # one sequence-parallel group: every rank takes all 5 samples of a minibatch, 3 micro-batches
         layers[0]["train"]["options"] = {"ulysses_size": ulysses}
+    if options:  # more of veomni's options (mixed precision)
+        layers[0]["train"]["options"] = {**layers[0]["train"].get("options", {}), **options}
     if layout == "qwen3-omni":
         # fsdp2's thinker run: GSPO (KL to the base model, so the reference policy is scored too) on the tiny
         # thinker, 4 prompts x 4 samples of up to 2 letters, 2 minibatches of 8 sequences in micro-batches of 4 (the
@@ -67,6 +70,8 @@ def resolved_run(engine: str, lora: bool, out: Path, layout: str = "default", ul
             "train": {"engine": engine, "lr": 1e-2 if lora else 1e-3, "minibatches": 2, "micro_batch_size": 4},
             "run": {"seed": 7, "output_dir": str(out / "run"), "device": "cpu", "threads": 1},
         }]
+    if checkpointing:  # the model's own gradient checkpointing
+        layers.append({"model": {"options": {"gradient_checkpointing": True}}})
     return resolve_run(manager, layers)
 
 
@@ -84,14 +89,26 @@ def main() -> None:
     parser.add_argument("--load-shards", default=None)
     parser.add_argument("--layout", default="default", choices=("default", "qwen3-omni", "wan-a14b", "wan-ti2v-5b"))
     parser.add_argument("--ulysses", type=int, default=1, help="veomni's ulysses_size")
+    parser.add_argument("--options", default="{}", help="more train.options, as JSON")
+    parser.add_argument("--checkpointing", action="store_true", help="model.options.gradient_checkpointing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
-    resolved = resolved_run(args.engine, bool(args.lora), out, args.layout, args.ulysses)
+    resolved = resolved_run(args.engine, bool(args.lora), out, args.layout, args.ulysses, json.loads(args.options),
+                            args.checkpointing)
+    checkpoints = [0]  # calls of the layers' checkpoint function (transformers' gradient checkpointing)
     controller = Controller(resolved, out / "run")
     worker = Worker(resolved, {"actor", "rollout"},
                     rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     worker.setup()
+    for module in worker.model.module.modules() if hasattr(worker.model, "module") else ():
+        if getattr(module, "gradient_checkpointing", False) and callable(getattr(module, "_gradient_checkpointing_func",
+                                                                                 None)):
+            def counted(*a, _plain=module._gradient_checkpointing_func, **kw):
+                checkpoints[0] += 1
+                return _plain(*a, **kw)
+
+            module._gradient_checkpointing_func = counted
     if args.layout == "qwen3-omni" and worker.rank == 0:  # what was wrapped how, for the test to check
         from torch.distributed.fsdp import FSDPModule
 
@@ -145,6 +162,7 @@ def main() -> None:
             worker.save_state(out / "ckpt")
     if worker.rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
+        (out / "checkpoints.json").write_text(json.dumps(checkpoints[0]))
     if args.ulysses > 1:
         (out / f"tokens-{worker.rank}.json").write_text(json.dumps({k: sorted(set(v)) for k, v in tokens.items()}))
 

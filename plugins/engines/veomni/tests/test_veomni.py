@@ -220,6 +220,52 @@ def test_gspo_on_the_qwen3_omni_thinker_on_two_veomni_ranks_matches_the_single_p
             assert got_m[step][key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
 
 
+def test_the_models_gradient_checkpointing_under_veomni_changes_nothing(python: str, thinker_runs: Path,
+                                                                      tmp_path: Path):
+    """``model.options.gradient_checkpointing`` on the thinker (transformers 5.9's layers, checkpointed in the calls
+    that record a graph only: 5.9 would checkpoint the rollout's no-grad generation too, dropping its KV cache), 2
+    VeOmni ranks, full fine-tuning: the checkpoint function runs in the update, and the weights after two updates are
+    those of the same run without it, bit for bit. (VeOmni's own ``gradient_checkpointing`` option is refused: on
+    omnirl's eval-mode policies it would do nothing.)"""
+    import json
+
+    from safetensors.torch import load_file
+
+    _launch(python, tmp_path, "veomni", False, world=2, extra=("--layout", "qwen3-omni", "--checkpointing"))
+    assert json.loads((tmp_path / "checkpoints.json").read_text()) > 0
+    assert json.loads((thinker_runs / "full" / "veomni" / "checkpoints.json").read_text()) == 0
+    for step in (1, 2):
+        plain = load_file(str(thinker_runs / "full" / "veomni" / f"state-{step}.safetensors"))
+        checkpointed = load_file(str(tmp_path / f"state-{step}.safetensors"))
+        assert max(float((plain[k] - checkpointed[k]).abs().max()) for k in plain) == 0.0, step
+
+
+def test_mixed_precision_computes_in_bf16_over_fp32_master_weights(python: str, runs: dict, tmp_path: Path):
+    """``mixed_precision: true`` (VeOmni's FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 reduction) on 2 ranks, LoRA:
+    the master weights stay float32; the update is bf16's, not fp32's (it differs from the torch engine's by more than
+    fp32 rounding), yet points the same way (cosine > 0.95) with a gradient norm within 2 %."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    _launch(python, tmp_path, "veomni", True, world=2, extra=("--options", json.dumps({"mixed_precision": True})))
+    init = load_file(str(runs["lora"] / "torch" / "state-0.safetensors"))
+    for step in (1, 2):
+        fp32 = load_file(str(runs["lora"] / "torch" / f"state-{step}.safetensors"))
+        mixed = load_file(str(tmp_path / f"state-{step}.safetensors"))
+        assert {v.dtype for v in mixed.values()} == {torch.float32}
+        a = torch.cat([(fp32[k] - init[k]).flatten() for k in init])
+        b = torch.cat([(mixed[k] - init[k]).flatten() for k in init])
+        cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+        print(f"step {step}: max |mixed - fp32| {float((a - b).abs().max()):.3g}, update cosine {cosine:.4f}")
+        assert float((a - b).abs().max()) > 1e-4 and cosine > 0.95, (step, cosine)
+    ref_m = json.loads((runs["lora"] / "torch" / "metrics.json").read_text())
+    got_m = json.loads((tmp_path / "metrics.json").read_text())
+    for step, metrics in ref_m.items():
+        assert got_m[step]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=2e-2), step
+
+
 def test_thinker_checkpoint_of_two_veomni_ranks_loads_on_one_and_training_continues(python: str, thinker_runs: Path,
                                                                                    tmp_path: Path):
     """Full fine-tuning: the 2-rank checkpoint (shards, and the gathered weights written by ``save_pretrained`` from

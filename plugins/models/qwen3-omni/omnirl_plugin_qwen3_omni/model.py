@@ -223,8 +223,9 @@ class Qwen3OmniThinker(CausalLMPolicy):
 
     def _enable_gradient_checkpointing(self) -> None:
         """transformers' checkpointing of the text decoder layers. Those layers checkpoint only in training mode,
-        and the policy is kept in eval mode (no dropout): they are switched to training mode, which changes
-        nothing else as long as their attention dropout is 0 (it is in the released configuration)."""
+        and the policy is kept in eval mode (no dropout): they are switched to training mode in every call that
+        records a graph, which changes nothing else as long as their attention dropout is 0 (it is in the released
+        configuration)."""
         dropout = float(getattr(self.module.config.text_config, "attention_dropout", 0.0))
         if dropout > 0:
             raise UsageError(
@@ -237,8 +238,15 @@ class Qwen3OmniThinker(CausalLMPolicy):
             self.module.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        for layer in self.text_decoder().layers:
-            layer.train()
+        # training mode for the calls that record a graph only: transformers 5.9 (the flat layout's) checkpoints in
+        # training mode with no grad too, and drops the generation's KV cache there (5.25 checks for grad itself)
+        layers = list(self.text_decoder().layers)
+
+        def training_mode_when_grad(_module: torch.nn.Module, _args: Any) -> None:
+            for layer in layers:
+                layer.training = torch.is_grad_enabled()
+
+        self.text_decoder().register_forward_pre_hook(training_mode_when_grad)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
