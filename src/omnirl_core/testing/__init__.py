@@ -522,6 +522,64 @@ def run_train(run_dir: str | Path, *args: str, timeout: int = 600) -> list[dict[
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+TIMED_METRICS = ("time/", "images_per_s", "threads/")
+"""Metric name prefixes measured on the machine (its load), not computed by the run: left out when runs are compared."""
+
+
+def check_killed_run_resumes(whole: str | Path, killed: str | Path, args: Sequence[str], steps: int, weights: str,
+                             kill_after: int = 2, timeout: int = 900) -> list[dict[str, Any]]:
+    """A run killed in the middle of a step resumes bit for bit, through the real CLI: ``omnirl train -o whole *args
+    --steps steps``; the same into ``killed``, its driver SIGKILLed the moment checkpoint ``kill_after`` is complete
+    (so inside step ``kill_after + 1``; asserted: ``kill_after`` rows at the kill; ``args`` must save a checkpoint at
+    that step), then the same command again. The metrics rows (timings aside) and the last checkpoint's ``weights`` file
+    must equal the uninterrupted run's bit for bit. Returns the uninterrupted run's rows."""
+    import json
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from omnirl_core.testing.forkserver import omnirl_script
+
+    def rows(run: Path) -> list[dict[str, Any]]:
+        path = run / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    def untimed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if not k.startswith(TIMED_METRICS)} for r in records]
+
+    def train(run: Path) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(omnirl_script()), "train", "-o", str(run), *args, "--steps", str(steps)],
+                              capture_output=True, text=True, timeout=timeout, check=False)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc
+
+    whole, killed = Path(whole), Path(killed)
+    train(whole)
+    done = rows(whole)
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    proc = subprocess.Popen([str(omnirl_script()), "train", "-o", str(killed), *args, "--steps", str(steps)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest, mark = killed / "checkpoints" / "latest", f"step-{kill_after:06d}"
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:  # the next step begins as the checkpoint completes
+        if latest.is_file() and latest.read_text().strip() == mark:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert [r["step"] for r in rows(killed)] == list(range(1, kill_after + 1)), "the kill did not land in the step"
+    assert "resuming" in train(killed).stderr
+    assert untimed(rows(killed)) == untimed(done)
+    last = f"step-{steps:06d}"
+    a, b = (load_file(str(run / "checkpoints" / last / weights)) for run in (whole, killed))
+    assert a and a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    return done
+
+
 def reward_rise(run_dir: str | Path, key: str = "reward/mean", window: int = 10) -> tuple[float, float, float]:
     """(mean of the first ``window`` steps, mean of the last ``window``, standard error of their difference)
     of a metric in a run directory's metrics.jsonl."""

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,6 @@ ARGS = ("--model", "qwen-image", "--algo", "flowgrpo", "--preset", "tiny", "--se
         "--set", "run.save_every=2", "--set", "run.sample_every=100")
 RAY = ("--executor", "ray", "--set", "run.placement=split", "--set", "run.train_workers=2",
        "--set", "run.worker_cpus=0.5")
-TIMED = ("time/", "images_per_s", "threads/")  # measured on the machine: its load, not the run
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +44,11 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _untimed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMED)} for r in rows]
-
-
 def _train(run: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
     proc = subprocess.run([_omnirl(), "train", "-o", str(run), *ARGS, *extra], capture_output=True, text=True,
                           timeout=timeout, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
-
-
-def _weights(run: Path, step: int) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(run / "checkpoints" / f"step-{step:06d}" / "pytorch_lora_weights.safetensors"))
 
 
 def test_the_environment_holds_the_projects_plugins(environment: Path):
@@ -88,31 +75,10 @@ def test_an_inline_run_continues_in_the_environment(environment: Path, tmp_path:
 
 
 def test_two_ray_ranks_train_and_a_run_killed_mid_step_resumes_bit_for_bit(environment: Path, tmp_path: Path):
-    whole = tmp_path / "whole"
-    _train(whole, *RAY, "--steps", str(STEPS))
-    rows = _rows(whole)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    from omnirl_core.testing import check_killed_run_resumes
+
+    rows = check_killed_run_resumes(tmp_path / "whole", tmp_path / "killed", (*ARGS, *RAY), STEPS,
+                                    "pytorch_lora_weights.safetensors")
     assert all(r["logprob/abs_delta_max"] < 1e-5 for r in rows)  # the synced LoRA scores as the trainer's shards
-    shards = sorted(p.name for p in (whole / "checkpoints" / f"step-{STEPS:06d}" / "shards").glob("rank-*"))
+    shards = sorted(p.name for p in (tmp_path / "whole" / "checkpoints" / f"step-{STEPS:06d}" / "shards").glob("rank-*"))
     assert shards == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
-
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen([_omnirl(), "train", "-o", str(killed), *ARGS, *RAY, "--steps", str(STEPS)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    # the moment step 2's checkpoint is complete, step 3 begins (a step takes 0.2-0.5 s here): kill the driver then
-    while proc.poll() is None and time.monotonic() < deadline:
-        if latest.is_file() and latest.read_text().strip() == "step-000002":
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert [r["step"] for r in _rows(killed)] == [1, 2], "the kill did not land inside step 3"
-
-    resumed = _train(killed, *RAY, "--steps", str(STEPS))
-    assert "resuming" in resumed.stderr
-    assert _untimed(_rows(killed)) == _untimed(rows)
-    a, b = _weights(whole, STEPS), _weights(killed, STEPS)
-    assert a and a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
