@@ -82,3 +82,22 @@ def test_two_ray_ranks_train_and_a_run_killed_mid_step_resumes_bit_for_bit(envir
     assert all(r["logprob/abs_delta_max"] < 1e-5 for r in rows)  # the synced LoRA scores as the trainer's shards
     shards = sorted(p.name for p in (tmp_path / "whole" / "checkpoints" / f"step-{STEPS:06d}" / "shards").glob("rank-*"))
     assert shards == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+
+
+def test_bagel_on_two_veomni_ranks_trains_as_the_torch_engine(environment: Path, tmp_path: Path):
+    """BAGEL (FlowGRPO, LoRA): VeOmni wraps its decoder layers and the root, whose ``prompt_kv`` (the prompt's KV
+    cache, called outside ``forward``) runs as a registered FSDP forward method; 2 Ray train ranks make the same steps
+    as one torch-engine train worker (same placement: split, one rollout worker)."""
+    from omnirl_core.testing import run_train
+
+    args = ("--model", "bagel", "--algo", "flowgrpo", "--preset", "tiny", "--steps", "2", "--executor", "ray",
+            "--set", "run.placement=split", "--set", "run.worker_cpus=0.5", "--set", "run.threads=1")
+    torch_rows = run_train(tmp_path / "torch", *args, "--set", "run.train_workers=1")
+    veomni_rows = run_train(tmp_path / "veomni", *args, "--set", "train.engine=veomni", "--set", "run.train_workers=2")
+    assert len(torch_rows) == len(veomni_rows) == 2
+    for a, b in zip(torch_rows, veomni_rows):
+        for key in ("reward/mean", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-8), (a["step"], key)
+        assert b["logprob/abs_delta_max"] < 1e-5
+    shards = sorted(p.name for p in (tmp_path / "veomni" / "checkpoints" / "step-000002" / "shards").glob("rank-*"))
+    assert shards == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
