@@ -64,6 +64,12 @@ class ModelSizing:
     """Parameters of the trained components' layers that tensor parallelism splits (column-, row- and vocab-parallel
     linear and embedding layers, the experts not included); the rest of them (norms, a MoE router) every
     tensor-parallel rank holds whole."""
+    replicated: int = 0
+    """Parameters of the trained components' layers a tensor / expert-parallel engine holds whole on every rank (norms,
+    a MoE router): with LoRA, of the frozen base (in full fine-tuning they are ``trainable - experts - tensor_split``)."""
+    lora_tensor_split: int = 0
+    """Of the LoRA adapters (``trainable`` with LoRA), the parameters a tensor-parallel engine splits (``B`` of a
+    column-parallel layer, ``A`` of a row-parallel one); 0: the adapters counted whole on every rank."""
     parallel_units: dict[str, tuple[int, str]] = field(default_factory=dict)
     """What a parallel degree splits and so must divide, by kind: e.g. ``{"tensor": (4, "key/value heads"),
     "expert": (128, "experts")}``. A model without a ``tensor`` / ``expert`` entry cannot be planned under that

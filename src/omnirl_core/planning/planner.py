@@ -338,10 +338,11 @@ def parallel_degrees(resolved: ResolvedRun, sizing: ModelSizing, ranks: int) -> 
 def trained_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
     """Trainable parameters one rank holds under tensor / expert parallelism, laid out as megatron-core does: the
     experts over the expert-parallel ranks (over the tensor-parallel ones when there is no expert parallelism),
-    the linear and embedding layers over the tensor-parallel ranks, the rest whole. LoRA adapters: whole (no model
-    describes how they would split)."""
+    the linear and embedding layers over the tensor-parallel ranks, the rest whole. LoRA adapters: the part the model
+    says tensor parallelism splits (``lora_tensor_split``) over the tensor ranks, the rest whole."""
     if sizing.lora:
-        return sizing.trainable
+        tp = degrees.get("tensor", 1)
+        return sizing.trainable - sizing.lora_tensor_split + sizing.lora_tensor_split // tp
     tp, ep = degrees.get("tensor", 1), degrees.get("expert", 1)
     whole = sizing.trainable - sizing.experts - sizing.tensor_split
     return whole + sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
@@ -349,10 +350,10 @@ def trained_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
 
 def base_per_rank(sizing: ModelSizing, degrees: dict[str, int]) -> int:
     """With LoRA: the frozen base weights one rank of a model-parallel engine holds in its own layout, split as
-    ``trained_per_rank`` splits a full fine-tuning's: the tensor-split layers and the experts. It leaves out the few
-    weights every rank holds whole (norms, a MoE router), which a LoRA sizing does not count apart."""
+    ``trained_per_rank`` splits a full fine-tuning's: the tensor-split layers and the experts, and the weights every
+    rank holds whole (``replicated``: norms, a MoE router)."""
     tp, ep = degrees.get("tensor", 1), degrees.get("expert", 1)
-    return sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
+    return sizing.replicated + sizing.tensor_split // tp + sizing.experts // (ep if ep > 1 else tp)
 
 
 def degrees_text(degrees: dict[str, int]) -> str:

@@ -56,15 +56,36 @@ def lora_numel(module: torch.nn.Module, targets: tuple[str, ...] | str, rank: in
     whole module name."""
     import torch
 
-    picked: Callable[[str], object]
-    if isinstance(targets, str):
-        regex = re.compile(targets)
-        picked = regex.fullmatch
-    else:
-        def picked(name: str) -> bool:
-            return any(name == t or name.endswith("." + t) for t in targets)
+    picked = _picker(targets)
     return sum(rank * (m.in_features + m.out_features) for name, m in module.named_modules()
                if isinstance(m, torch.nn.Linear) and picked(name))
+
+
+def _picker(targets: tuple[str, ...] | str) -> Callable[[str], object]:
+    """Whether a module name is a LoRA target (``lora_numel``'s rule)."""
+    if isinstance(targets, str):
+        return re.compile(targets).fullmatch
+
+    def picked(name: str) -> bool:
+        return any(name == t or name.endswith("." + t) for t in targets)
+
+    return picked
+
+
+def lora_tensor_split_numel(module: torch.nn.Module, targets: tuple[str, ...] | str, rank: int,
+                            column: tuple[str, ...], row: tuple[str, ...]) -> int:
+    """Of ``lora_numel``'s adapters, the parameters a tensor-parallel engine splits over its ranks: ``B`` (out x rank)
+    of a column-parallel layer (module names ending in one of ``column``: its output rows split), ``A`` (rank x in) of
+    a row-parallel one (``row``: its input columns split); the other matrix of each it holds whole."""
+    import torch
+
+    picked = _picker(targets)
+    total = 0
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Linear) and picked(name):
+            leaf = name.rsplit(".", 1)[-1]
+            total += rank * m.out_features if leaf in column else rank * m.in_features if leaf in row else 0
+    return total
 
 
 def training_bytes(weights: dict[str, int], trainable: int, adapters: int, reference: int,

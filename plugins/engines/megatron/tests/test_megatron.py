@@ -34,6 +34,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 HERE = Path(__file__).parent
 LR = 1e-3  # rank_job.py's
 BOUND = 1e-2 * LR
+LORA_SETTINGS = {"enabled": True, "rank": 4, "alpha": 8.0}  # rank_job.py's --lora
 LAYOUTS = {"tp2": {"tensor_parallel": 2}, "ep2": {"tensor_parallel": 1, "expert_parallel": 2},
            "tp2-ep2": {"tensor_parallel": 2, "expert_parallel": 2}}
 
@@ -177,9 +178,9 @@ def test_lora_on_other_modules_is_refused_by_name():
     assert "also adapts lm_head, model.audio_tower.layers.0.fc1." in info.value.render()
 
 
-def _plan(options: dict, ranks: int = 2, lora: bool = False):
-    """``omnirl plan``'s numbers for rank_job.py's megatron runs: the tiny thinker, full fine-tuning (or the default
-    LoRA), ``ranks`` train ranks."""
+def _plan(options: dict, ranks: int = 2, lora: bool | dict = False):
+    """``omnirl plan``'s numbers for rank_job.py's megatron runs: the tiny thinker, full fine-tuning (or LoRA: True,
+    the preset's; a dict, those settings), ``ranks`` train ranks."""
     from omnirl_core.planning.planner import plan_memory
     from omnirl_core.plugins import PluginManager
     from omnirl_core.resolve import resolve_run
@@ -187,7 +188,8 @@ def _plan(options: dict, ranks: int = 2, lora: bool = False):
     manager = PluginManager()
     manager.load_modules(["omnirl_plugin_cpu", "omnirl_plugin_qwen3_omni", "omnirl_plugin_gspo",
                           "omnirl_plugin_transformers", "omnirl_plugin_megatron", "omnirl_plugin_answer_match"])
-    layer = {"model": {"name": "qwen3-omni", "preset": "tiny", "lora": {"enabled": lora}},
+    layer = {"model": {"name": "qwen3-omni", "preset": "tiny", "lora": lora if isinstance(lora, dict) else
+                       {"enabled": lora}},
              "algorithm": {"name": "gspo"}, "train": {"engine": "megatron", "options": options},
              "run": {"device": "cpu", "executor": "ray", "placement": "split", "train_workers": ranks}}
     return plan_memory(resolve_run(manager, [layer], probe_device=False), None)
@@ -215,10 +217,10 @@ def test_the_memory_plan_holds_what_each_rank_of_the_engine_holds(runs: dict[str
         assert actor.rows["weights/thinker"] == rank["module"]
     whole = _plan({"tensor_parallel": 1})  # data parallel: every rank holds every trained weight
     assert actor.rows["weights (megatron shards)"] < whole.groups[0].rows["weights (megatron shards)"]
-    # with LoRA each rank holds the same base shards, frozen: planned without the few weights held whole (norms)
+    # with LoRA each rank holds the same base shards, frozen (the norms and routers whole)
     frozen = next(g for g in _plan(LAYOUTS[layout], lora=True).groups if g.name == "actor").rows[
         "weights (megatron frozen base shards)"]
-    assert 0.999 * held[0]["megatron_params"] <= frozen <= held[0]["megatron_params"]
+    assert frozen == held[0]["megatron_params"]
 
 
 def test_the_memory_plan_refuses_a_degree_the_ranks_or_the_model_cannot_take():
@@ -338,6 +340,13 @@ def test_lora_on_two_ranks_matches_the_torch_engine_and_resumes_bit_for_bit(tmp_
             diff = _max_diff(torch_run / f"state-{step}.safetensors", run / f"state-{step}.safetensors")
             print(f"lora {layout} step {step}: max |megatron - torch| adapters = {diff:.3g}")
             assert diff <= BOUND, (layout, step, diff)
+        # the plan's adapter shards (q/k/v's B and o's A split over tensor ranks, the rest whole) and frozen base,
+        # to the byte of what each rank's megatron model holds
+        actor = next(g for g in _plan(LAYOUTS[layout], lora=dict(LORA_SETTINGS)).groups if g.name == "actor").rows
+        for rank in range(2):
+            held = json.loads((run / f"held-{rank}.json").read_text())
+            assert actor["weights (megatron shards)"] + actor["weights (megatron frozen base shards)"] == \
+                held["megatron_params"], (layout, rank, actor, held)
         ours = json.loads((run / "metrics.json").read_text())
         for step in ("1", "2"):
             assert ours[step]["logprob/abs_delta_max"] < 1e-5  # the synced adapters: megatron scores as the rollout

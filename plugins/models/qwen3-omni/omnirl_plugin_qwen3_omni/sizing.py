@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from omnirl_core.planning.model import ModelSizing, lora_settings
-from omnirl_core.planning.sizing import checkpoint_numel, trainable_numel
+from omnirl_core.planning.sizing import checkpoint_numel, lora_tensor_split_numel, trainable_numel
 from omnirl_plugin_qwen3_omni.full_size import full_size_components, full_size_speech
 
 PROMPT_TOKENS = 512
@@ -39,16 +39,17 @@ def _thinker(preset: str | None, head_dim: int) -> torch.nn.Module:
         return Qwen3OmniMoeThinkerForConditionalGeneration(tiny_config(head_dim=head_dim))
 
 
-def parallel_counts(thinker: torch.nn.Module) -> tuple[int, int]:
-    """(experts, tensor-split) parameters of the text decoder and its LM head: those of the MoE experts (what
-    expert parallelism splits), and those of the linear and embedding layers outside the experts (the column-,
-    row- and vocab-parallel layers of tensor parallelism, Shoeybi et al. 2019); the rest (RMSNorms, the router)
-    every tensor-parallel rank holds whole."""
+def parallel_counts(thinker: torch.nn.Module) -> tuple[int, int, int]:
+    """(experts, tensor-split, replicated) parameters of the text decoder and its LM head: those of the MoE experts
+    (what expert parallelism splits), those of the linear and embedding layers outside the experts (the column-,
+    row- and vocab-parallel layers of tensor parallelism, Shoeybi et al. 2019), and the rest (RMSNorms, the router),
+    which every tensor-parallel rank holds whole."""
     decoder = thinker.model.language_model
     experts = sum(p.numel() for name, p in decoder.named_parameters() if ".mlp.experts." in name)
     split = sum(p.numel() for module in (decoder, thinker.lm_head) for m in module.modules()
                 if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) for p in m.parameters(recurse=False))
-    return experts, split
+    total = sum(p.numel() for module in (decoder, thinker.lm_head) for p in module.parameters())
+    return experts, split, total - experts - split
 
 
 @functools.lru_cache(maxsize=2)
@@ -149,7 +150,10 @@ def sizing(config: Any, options: Any) -> ModelSizing:
     prompt = TINY_PROMPT_TOKENS if preset else PROMPT_TOKENS
     tokens = prompt + completion
     decoder = thinker.model.language_model
-    experts, split = parallel_counts(thinker)
+    experts, split, replicated = parallel_counts(thinker)
+    # the attention's adapters under tensor parallelism: q/k/v are column-parallel (B split), o row-parallel (A split)
+    adapters_split = lora_tensor_split_numel(thinker, targets, rank, ("q_proj", "k_proj", "v_proj"),
+                                             ("o_proj",)) if rank else 0
     return ModelSizing(
         components={"thinker": checkpoint_numel(thinker)},
         trained=("thinker",),
@@ -162,6 +166,8 @@ def sizing(config: Any, options: Any) -> ModelSizing:
         largest_block=max(checkpoint_numel(b) for b in decoder.layers),
         experts=experts,
         tensor_split=split,
+        replicated=replicated,
+        lora_tensor_split=adapters_split,
         parallel_units={"tensor": (text.num_key_value_heads, "key/value heads"),
                         "expert": (text.num_experts, "experts")},
         notes=[(f"activations: generic estimate over {prompt} prompt + {completion} completion tokens "

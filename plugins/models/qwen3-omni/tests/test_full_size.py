@@ -84,14 +84,20 @@ def test_what_tensor_and_expert_parallelism_split_is_read_off_the_architecture(b
 
     from omnirl_core.config import RunConfig
 
-    experts, split = parallel_counts(built[0]["thinker"])
+    experts, split, replicated = parallel_counts(built[0]["thinker"])
     assert experts == 48 * 128 * 3 * 2048 * 768
     assert split == 2 * 152064 * 2048 + 48 * (2 * 4096 * 2048 + 2 * 512 * 2048)
     config = RunConfig.model_validate({"model": {"name": "qwen3-omni", "lora": {"enabled": False}}})
     plan = sizing(config, SimpleNamespace(tiny_head_dim=8))
     rest = plan.trainable - plan.experts - plan.tensor_split
     assert (plan.experts, plan.tensor_split) == (experts, split)
-    assert rest == 48 * (128 * 2048 + 2 * 128 + 2 * 2048) + 2048  # routers, q/k norms, layer norms, final norm
+    assert rest == replicated == plan.replicated == 48 * (128 * 2048 + 2 * 128 + 2 * 2048) + 2048  # routers, q/k
+    # norms, layer norms, final norm
+    # LoRA (rank 8 on q/k/v/o of the 48 layers): tensor parallelism splits q/k/v's B and o's A
+    lora = sizing(RunConfig.model_validate({"model": {"name": "qwen3-omni", "lora": {"enabled": True, "rank": 8}}}),
+                  SimpleNamespace(tiny_head_dim=8))
+    assert lora.lora_tensor_split == 48 * 8 * (4096 + 512 + 512 + 4096)
+    assert lora.trainable == 48 * 8 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))
     assert plan.parallel_units == {"tensor": (4, "key/value heads"), "expert": (128, "experts")}
     assert plan.preset is None
 
