@@ -67,3 +67,44 @@ def test_kill_9_of_the_driver_leaves_no_ray_process_behind():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_watchdog_kills_what_it_listed_when_the_run_dies_between_two_looks():
+    """The race behind a flaky run of the test above: the run and Ray's servers die together (their parent-death
+    signal), the agents go to init; a refresh of the watchdog's list between the kill and its next look at the run
+    finds nothing below the servers. That is what ``ray.shutdown()`` looks like too, and the watchdog used to exit
+    then, leaving the agents. Here the look at the run is rare (1 s) and the refresh frequent, so the refresh comes
+    first."""
+    import threading
+
+    from omnirl_core.loop.ray_watchdog import watch
+
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    head = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(agent.pid, flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    agent = psutil.Process(int(head.stdout.readline()))
+    try:
+        listed = threading.Event()
+        result: list[int] = []
+        thread = threading.Thread(target=lambda: result.append(watch(
+            driver.pid, psutil.Process(driver.pid).create_time(), [head.pid], poll_s=1.0, refresh_s=0.05,
+            ready=listed.set)))
+        thread.start()
+        assert listed.wait(30)
+        time.sleep(0.2)  # inside the watchdog's 1 s between looks at the run
+        driver.kill()
+        head.kill()
+        driver.wait(timeout=30)
+        head.wait(timeout=30)  # the agent now belongs to init
+        thread.join(timeout=30)
+        assert result == [1] and not _alive(agent.pid, agent.create_time()), result
+    finally:
+        for p in (driver, head):
+            if p.poll() is None:
+                p.kill()
+        if agent.is_running():
+            agent.kill()

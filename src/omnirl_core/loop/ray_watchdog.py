@@ -77,22 +77,27 @@ def watch(driver: int, created: float, tops: list[int], poll_s: float = POLL_S, 
             found |= descendants(head)
         return found
 
+    def run_alive() -> bool:
+        try:
+            return root.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     known = below()
     if ready is not None:
         ready()
     last_refresh = time.monotonic()
-    while True:
-        try:
-            if root.status() == psutil.STATUS_ZOMBIE:
-                break
-        except psutil.NoSuchProcess:
-            break
+    while run_alive():
         time.sleep(poll_s)
         if time.monotonic() - last_refresh >= refresh_s:
             last_refresh = time.monotonic()
             now = below()
             if not now:
-                return 0  # ray.shutdown() ran: nothing left to watch
+                # nothing below the heads: ray.shutdown() ran, if the run lives on; if it died meanwhile (its kill
+                # took the GCS and the raylet with it, and the agents went to init), what was listed must go
+                if run_alive():
+                    return 0
+                break
             known |= now
     return kill(known)
 
