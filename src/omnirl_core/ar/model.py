@@ -176,6 +176,13 @@ class CausalLMPolicy(TokenModel):
         self.module.eval()
 
     @property
+    def recomputes_activations(self) -> bool:
+        """Whether the run asked this policy to recompute its decoder's activations in the backward
+        (``model.options.gradient_checkpointing``): a train engine that runs the decoder itself (megatron's) honours it
+        its own way. False unless the model plugin says so."""
+        return False
+
+    @property
     def has_reference_copy(self) -> bool:
         """Whether a frozen copy of the weights made before training is kept (full fine-tuning with a reference)."""
         return self._reference_copy is not None

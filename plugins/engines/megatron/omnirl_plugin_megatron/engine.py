@@ -168,7 +168,7 @@ class MegatronTrainEngine(TrainEngine):
                 model_parallel_cuda_manual_seed(0)
             shims.router_without_transformer_engine()
             # the model's gradient checkpointing is megatron's activation recompute here
-            self.recompute = bool(getattr(getattr(model, "options", None), "gradient_checkpointing", False))
+            self.recompute = bool(model.recomputes_activations)
             self.gpt = thinker.build_gpt(self.config, model.dtype, tp, ep, self.recompute).to(device).eval()
             # megatron recomputes only in training mode: the decoder block alone gets it (its MoE layers refuse
             # training mode with tensor parallelism but no sequence parallelism; dropout is 0 either way)

@@ -216,6 +216,10 @@ class Qwen3OmniThinker(CausalLMPolicy):
         config_path.write_text(json.dumps(config, indent=2))
         return files
 
+    @property
+    def recomputes_activations(self) -> bool:
+        return bool(self.options.gradient_checkpointing)
+
     def setup_training(self, lora: LoraConfig, need_reference: bool) -> None:
         super().setup_training(lora, need_reference)
         if self.options.gradient_checkpointing:
