@@ -90,6 +90,17 @@ class GenRequest:
 
 CONDITION_IMAGE_FIELD = "image"
 """The prompt-record field that holds a prompt's condition images (a path or a list of paths)."""
+MEDIA_KEYS = (CONDITION_IMAGE_FIELD, "audio", "video", "mask", "voice")
+"""Record fields that hold paths (a path or a list of paths; relative to the data file, made absolute when read):
+``mask`` marks the region an edit may change, ``voice`` is a reference voice to speak in; both for rewards."""
+
+
+def media_paths(record: dict[str, Any] | None) -> list[str]:
+    """Every path a record's media fields (``MEDIA_KEYS``) name, in field order, each once."""
+    paths: dict[str, None] = {}
+    for key in MEDIA_KEYS:
+        paths.update(dict.fromkeys(condition_paths((record or {}).get(key))))
+    return list(paths)
 
 
 def condition_paths(value: object) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnirl_core.contracts.data import MEDIA_KEYS
 from omnirl_core.data.images import condition_field
 from omnirl_core.errors import ConfigError, did_you_mean
 
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnirl")
 
-MEDIA_KEYS = ("image", "audio", "video", "mask", "voice")
-"""Record fields that hold paths relative to the data file (``mask``: the region an edit may change, ``voice``: a
-reference voice to speak in; both for rewards)."""
 BUILTIN = "builtin:"
 HF = "hf:"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".csv", ".tsv", ".parquet")

@@ -13,6 +13,10 @@ and the run, stopped with its last checkpoint, resumes when rerun.
 future: a Ray async reward actor awaits it, so its calls overlap without a thread of the actor's each, and the
 driver sends the samples that finish together in one call of up to ``capacity`` (``batch_size``) samples, one
 request, which the server batches with the others it has.
+
+A reward that reads records gets the files they name sent along (``send_files``: an edit's source and mask, a
+reference voice; the server writes them to a directory of the request's own), so the server needs no disk shared
+with the run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -73,6 +78,9 @@ class RemoteOptions(BaseModel):
     concurrency: int = Field(4, ge=1, description="Requests in flight from one reward instance when it is "
                              "submitted to (a Ray async reward actor's overlapping calls); the server batches "
                              "those that arrive together.")
+    send_files: bool = Field(True, description="Send the files the records name (an edit's source and mask, a "
+                             "reference voice) with each request of a reward that reads records, so the server "
+                             "needs no shared disk; false: the server opens the records' paths itself.")
 
     @field_validator("url")
     @classmethod
@@ -194,7 +202,8 @@ class RemoteReward(Reward):
         limit = int(self.info["max_body_bytes"])
         for start in range(0, len(prompts), size):
             records = inputs[start:start + size] if inputs is not None and self.info.get("uses_inputs") else None
-            body = EncodedRequest(outputs[start:start + size], prompts[start:start + size], records)
+            files = self._files(records) if records is not None and self.options.send_files else None
+            body = EncodedRequest(outputs[start:start + size], prompts[start:start + size], records, files)
             if body.length > limit:
                 raise RemoteRewardError(
                     f"a request of {len(prompts[start:start + size])} sample(s) takes {body.length} bytes, over the "
@@ -205,6 +214,22 @@ class RemoteReward(Reward):
                 raise RemoteRewardError(f"reward server {_safe(self.url)} answered without a 'scores' list")
             scores += answer["scores"]
         return scores
+
+    @staticmethod
+    def _files(records: Sequence[Any]) -> dict[str, bytes]:
+        """The bytes of every file the records' media fields name, each once."""
+        from omnirl_core.contracts.data import media_paths
+
+        files: dict[str, bytes] = {}
+        for record in records:
+            for path in media_paths(record if isinstance(record, dict) else None):
+                if path not in files:
+                    try:
+                        files[path] = Path(path).read_bytes()
+                    except OSError as exc:
+                        raise RemoteRewardError(f"cannot send {path} to the reward server: {exc.strerror or exc} "
+                                                "(a file the prompt's record names)") from None
+        return files
 
     def submit(self, outputs: Sequence[Any], prompts: Sequence[str],
                inputs: Sequence[Any] | None = None) -> concurrent.futures.Future:

@@ -27,6 +27,9 @@ a request is held until its client closes it (uvicorn has no timeout for that; i
 ``max_connections``). ``close`` stops listening, closes the idle connections, lets the requests in flight
 finish (for up to ``SHUTDOWN_GRACE_S``) and stops the batcher.
 
+Files shipped with a request (the records' media: an edit's source and mask, a reference voice) are written to a
+directory of the request's own (``shipped_files``), which its records then name, and removed once it is scored.
+
 With ``OMNIRL_REWARD_SERVER_TOKEN`` in the server's environment, every request must carry
 ``Authorization: Bearer <token>`` (the remote reward sends it from the same variable); the token is never
 printed.
@@ -40,7 +43,10 @@ import json
 import logging
 import os
 import queue
+import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -50,6 +56,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 from omnirl_core.contracts import as_reward
+from omnirl_core.contracts.data import MEDIA_KEYS
 from omnirl_core.rewards.dispatch import check_scores
 from omnirl_core.rewards.wire import CONTENT_TYPE, WireError, read_request
 
@@ -440,14 +447,15 @@ class RewardApp:
         body is read. Nothing of the request is left alive when it returns."""
         try:
             if length <= SMALL_BODY:
-                outputs, prompts, inputs = read_request(_from(await reader.read_all(length)), length)
+                outputs, prompts, inputs, files = read_request(_from(await reader.read_all(length)), length)
             else:
                 loop = asyncio.get_running_loop()
 
                 def read_into(view: memoryview) -> int:
                     return asyncio.run_coroutine_threadsafe(reader.fill(view), loop).result()
 
-                outputs, prompts, inputs = await loop.run_in_executor(self.readers, read_request, read_into, length)
+                outputs, prompts, inputs, files = await loop.run_in_executor(self.readers, read_request, read_into,
+                                                                             length)
         except WireError as exc:
             return 400, {"error": f"bad request: {exc}"}
         except (TimeoutError, _Gone):  # the connection
@@ -456,7 +464,15 @@ class RewardApp:
             return 400, {"error": f"bad request: {type(exc).__name__}: {exc}"}
         if not prompts:
             return 200, {"scores": []}
-        future = asyncio.wrap_future(self.batcher.submit(outputs, prompts, inputs))
+        directory = None
+        if files and inputs is not None and self.batcher.uses_inputs:
+            inputs, directory = await asyncio.get_running_loop().run_in_executor(self.readers, shipped_files, inputs,
+                                                                                files)
+        del files
+        job = self.batcher.submit(outputs, prompts, inputs)
+        if directory is not None:  # once the batcher is done with the request (it may outlive a 504)
+            job.add_done_callback(lambda _: shutil.rmtree(directory, ignore_errors=True))
+        future = asyncio.wrap_future(job)
         del outputs, inputs
         done, _ = await asyncio.wait({future}, timeout=self.request_timeout_s)  # not cancelled: the batcher owns it
         if not done:
@@ -465,6 +481,28 @@ class RewardApp:
             return 200, {"scores": future.result()}
         except Exception as exc:  # noqa: BLE001 - the reward's own failure, reported to the client
             return 500, {"error": f"reward '{self.name}' failed: {type(exc).__name__}: {exc}"}
+
+
+def shipped_files(inputs: list[Any], files: dict[str, Any]) -> tuple[list[Any], str]:
+    """Writes a request's shipped files (path -> uint8 tensor of the file's bytes) to a new directory and returns
+    the records with their media fields (``MEDIA_KEYS``) naming the copies, and the directory. A copy is named by
+    its order and the path's suffix only: nothing of the client's path reaches this machine's file system."""
+    directory = tempfile.mkdtemp(prefix="omnirl-reward-files-")
+    copies: dict[str, str] = {}
+    for k, (path, data) in enumerate(files.items()):
+        suffix = re.sub(r"[^A-Za-z0-9]", "", os.path.splitext(path)[1])[:12]
+        copies[path] = os.path.join(directory, f"{k}.{suffix}" if suffix else str(k))
+        with open(copies[path], "wb") as f:
+            f.write(memoryview(data.numpy()))
+
+    def local(value: Any) -> Any:
+        if isinstance(value, str):
+            return copies.get(value, value)
+        return [local(v) for v in value] if isinstance(value, list) else value
+
+    records = [{k: local(v) if k in MEDIA_KEYS else v for k, v in r.items()} if isinstance(r, dict) else r
+               for r in inputs]
+    return records, directory
 
 
 class RewardServer:

@@ -4,10 +4,16 @@
                   body: a safetensors file whose tensors are the outputs that are tensors, named ``outputs.<i>``,
                   with their own dtype, shape and bytes, and whose ``__metadata__["omnirl"]`` is JSON:
                   {"prompts": [str, ...], "outputs": [{"tensor": "outputs.<i>"} | {"text": str}, ...],
-                   "inputs": [record | null, ...]}          ("inputs" optional)
+                   "inputs": [record | null, ...],          ("inputs" optional)
+                   "files": {PATH: "files.<k>", ...}}       ("files" optional)
                   -> 200 {"scores": [float, ...]}   or   4xx / 5xx {"error": str}
     GET  /health  -> {"reward": NAME, "modality": [...], "uses_inputs": bool, "batch_invariant": bool,
                       "max_body_bytes": n, "requests": n, "batches": n, ...}
+
+``files`` ships the files the records' media fields name (an edit's source and mask, a reference voice; see
+``omnirl_core.contracts.data.MEDIA_KEYS``): each file's bytes as a uint8 tensor ``files.<k>``, keyed by the path the
+record holds. The server writes them to a directory of its own for the request and hands its reward records that
+name those copies, so a reward server needs no disk shared with the run.
 
 The served reward sees the very tensors the in-process one sees: the same dtype, shape and bits (CPU,
 contiguous). A score goes back as a JSON number written by ``repr(float)``, which reads back as the same double.
@@ -24,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,7 +63,10 @@ def _as_tensor(output: object) -> torch.Tensor:
 class EncodedRequest:
     """A /score body, written as it is sent (``chunks``): nothing is copied beyond the CPU tensors themselves."""
 
-    def __init__(self, outputs: Sequence[Any], prompts: Sequence[str], inputs: Sequence[Any] | None = None):
+    def __init__(self, outputs: Sequence[Any], prompts: Sequence[str], inputs: Sequence[Any] | None = None,
+                 files: Mapping[str, bytes] | None = None):
+        import torch
+
         if len(outputs) != len(prompts):
             raise WireError(f"{len(outputs)} outputs for {len(prompts)} prompts")
         names = {dtype: name for name, dtype in _dtypes().items()}
@@ -78,6 +87,12 @@ class EncodedRequest:
         meta: dict[str, Any] = {"prompts": list(prompts), "outputs": items}
         if inputs is not None:
             meta["inputs"] = json.loads(json.dumps(list(inputs), default=str))
+        if files:
+            meta["files"] = {}
+            for k, (path, data) in enumerate(files.items()):
+                meta["files"][path] = f"files.{k}"
+                tensors.append((f"files.{k}", torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                                if data else torch.empty(0, dtype=torch.uint8)))
         # widest elements first: every tensor's bytes then start at a multiple of its element size (the reader
         # can view them in place)
         tensors.sort(key=lambda nt: -nt[1].element_size())
@@ -150,9 +165,14 @@ def _tensor_entry(name: str, entry: object,
     return dtypes[dtype], tuple(shape), begin, end
 
 
-def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[list[Any], list[str], list[Any] | None]:
+ScoreRequest = tuple[list[Any], list[str], list[Any] | None, dict[str, "torch.Tensor"]]
+"""A read /score body: outputs, prompts, inputs (or None), and the shipped files (path -> uint8 tensor of its
+bytes)."""
+
+
+def read_request(read_into: Callable[[memoryview], int], length: int) -> ScoreRequest:
     """A /score body of ``length`` bytes, read with ``read_into`` (a stream's ``readinto``) -> (outputs, prompts,
-    inputs or None). Everything but the tensors' bytes is read and checked first, so a body that does not
+    inputs or None, files). Everything but the tensors' bytes is read and checked first, so a body that does not
     follow the format is refused after its header; the tensors are views of one buffer the size of their bytes."""
     import torch
 
@@ -183,6 +203,9 @@ def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[l
         raise WireError(f"'outputs' must be a list as long as 'prompts' ({len(prompts)})")
     if inputs is not None and (not isinstance(inputs, list) or len(inputs) != len(prompts)):
         raise WireError(f"'inputs' must be a list as long as 'prompts' ({len(prompts)}), or absent")
+    shipped = meta.get("files") or {}
+    if not isinstance(shipped, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shipped.items()):
+        raise WireError("'files' must be an object from a path to the name of a tensor of the body, or absent")
 
     dtypes = _dtypes()
     entries = {name: _tensor_entry(name, entry, dtypes) for name, entry in header.items()}
@@ -204,8 +227,13 @@ def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[l
             raise WireError(f"outputs[{i}]: expected {{'tensor': NAME}} naming a tensor of the body not named "
                             f"before, or {{'text': STR}}; got {str(item)[:100]}")
         used.add(name)
+    for path, name in shipped.items():
+        if name not in entries or name in used or entries[name][0] != _u8() or len(entries[name][1]) != 1:
+            raise WireError(f"files[{path[:100]!r}]: expected the name of a 1-D uint8 tensor of the body not named "
+                            f"before; got {name[:100]!r}")
+        used.add(name)
     if len(used) != len(entries):
-        raise WireError(f"tensors no output names: {sorted(set(entries) - used)[:5]}")
+        raise WireError(f"tensors no output or file names: {sorted(set(entries) - used)[:5]}")
 
     buffer = torch.empty(data, dtype=torch.uint8)
     if data:
@@ -218,4 +246,4 @@ def read_request(read_into: Callable[[memoryview], int], length: int) -> tuple[l
             piece = piece.clone()
         tensors[name] = piece.view(dtype).reshape(shape)
     outputs = [tensors[item["tensor"]] if "tensor" in item else item["text"] for item in items]
-    return outputs, prompts, inputs
+    return outputs, prompts, inputs, {path: tensors[name] for path, name in shipped.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -20,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnirl_core.contracts import Reward
 from omnirl_core.loop.distributed import free_port
-from omnirl_core.rewards.client import RemoteOptions, RemoteReward
+from omnirl_core.rewards.client import RemoteOptions, RemoteReward, RemoteRewardError
 from omnirl_core.rewards.server import RewardServer
 from omnirl_core.rewards_kit import build_reward
 from omnirl_core.testing.forkserver import run_omnirl
@@ -100,6 +102,69 @@ def test_concurrent_calls_of_a_batch_dependent_reward_are_scored_as_in_process(s
         want = [WithinBatch()(images[i:i + 2], prompts[i:i + 2]) for i in (0, 2, 4)]
         assert [bits(s) for s in got] == [bits(s) for s in want]
         assert reward.sizes == [2, 2, 2]
+    finally:
+        remote.close()
+
+
+# -- an edit's source and mask travel with the request ------------------------------------------------------
+
+class WithoutTheRunsDisk(Reward):
+    """A test double for the boundary this machine cannot show, a reward server on another machine: it wraps the
+    real reward and deletes the run's data directory before each call, so the reward can read only the files
+    that came with the request. Records the source paths it was handed."""
+
+    uses_inputs = True
+
+    def __init__(self, reward: Reward, data_dir: Path):
+        self.reward, self.data_dir, self.seen = reward, data_dir, []
+        self.batch_invariant = reward.batch_invariant
+
+    def __call__(self, outputs, prompts, inputs=None):
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.seen += [r["image"] for r in inputs]
+        return self.reward(outputs, prompts, inputs=inputs)
+
+
+def _edits(data_dir: Path) -> list[dict]:
+    """Two sources (one shared by two samples) and their masks, as PNG files in data_dir."""
+    from PIL import Image
+
+    data_dir.mkdir(exist_ok=True)
+    g = torch.Generator().manual_seed(3)
+    records = []
+    for i in range(2):
+        source, mask = data_dir / f"source-{i}.png", data_dir / f"mask-{i}.png"
+        pixels = (torch.rand(24, 20, 3, generator=g) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(source)
+        region = torch.zeros(24, 20, dtype=torch.uint8)
+        region[4:14, 3:12] = 255
+        Image.fromarray(region.numpy()).save(mask)
+        records.append({"image": str(source), "mask": str(mask), "id": i})
+    return [records[0], records[0], records[1]]
+
+
+@pytest.mark.parametrize("name", ["edit-consistency", "edit-color"])
+def test_an_edits_source_and_mask_reach_a_server_without_the_runs_disk(serve, tmp_path: Path, name: str):
+    data = tmp_path / "data"
+    records = _edits(data)
+    g = torch.Generator().manual_seed(4)
+    outputs = [torch.rand(3, 32, 32, generator=g) for _ in records]
+    prompts = ["make the square red", "make the square red", "make the circle blue"]
+    reward = build_reward(name)[0]
+    want = reward(outputs, prompts, inputs=records)
+    served = WithoutTheRunsDisk(reward, data)
+    server = serve(served, name)
+    remote = RemoteReward(RemoteOptions(url=server.url, expect=name))
+    try:
+        assert bits(remote(outputs, prompts, inputs=records)) == bits(want)
+        assert not data.exists()
+        # the server's copies: one per file, outside the run's directory, removed once the request was scored
+        assert len(set(served.seen)) == 2 and not any(Path(p).exists() or str(data) in p for p in served.seen)
+        _edits(data)
+        off = RemoteReward(RemoteOptions(url=server.url, send_files=False))
+        with pytest.raises(RemoteRewardError, match="failed"):  # the paths alone: the server cannot open them
+            off(outputs, prompts, inputs=records)
+        off.close()
     finally:
         remote.close()
 

@@ -226,6 +226,14 @@ def test_bad_requests_are_refused_with_a_reason(serve):
     assert r.status_code == 400 and "dtype 'PKL' is not one of" in r.json()["error"]
     assert post(good).json() == {"scores": brightness(_images(1), ["a"])}
     assert httpx.get(server.url + "/nothing", timeout=10).status_code == 404
+    shipped = EncodedRequest(_images(1), ["a"], [{"image": "/x.png"}], {"/x.png": b"\x89PNG"}).to_bytes()
+    assert post(shipped).status_code == 200  # the reward reads no records: the file is dropped
+    from safetensors.torch import save
+
+    meta = {"prompts": ["a"], "outputs": [{"tensor": "outputs.0"}], "inputs": [{"image": "/x.png"}],
+            "files": {"/x.png": "outputs.0"}}  # a file naming the output's float tensor
+    r = post(save({"outputs.0": _images(1)[0]}, metadata={"omnirl": json.dumps(meta)}))
+    assert r.status_code == 400 and "files['/x.png']: expected the name of a 1-D uint8 tensor" in r.json()["error"]
 
 
 def test_calls_are_not_logged_one_line_each(serve, caplog):
