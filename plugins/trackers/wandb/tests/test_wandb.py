@@ -1,5 +1,6 @@
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,18 @@ def test_an_offline_run_writes_its_files_and_a_resume_keeps_the_run_id(tmp_path:
     assert list((runs[0] / "files" / "media" / "images").glob("samples_*.png"))
 
 
+def finished_records(file: Path, timeout_s: float = 60.0) -> list:
+    """The run file's records once wandb's service has written them all (its last record is the run's exit): an
+    offline run's ``finish()`` can return before the service has written the file (1 in 12 here: the 7-byte header
+    alone, the whole file 2 s later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_run_records(file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def test_speech_samples_are_logged_as_audio_files_with_their_captions(tmp_path: Path, monkeypatch):
     import torch
 
@@ -59,7 +72,7 @@ def test_speech_samples_are_logged_as_audio_files_with_their_captions(tmp_path: 
     # wandb keeps the files as they are: each logged file is one of the first two clips, byte for byte
     assert sorted(f.read_bytes() for f in logged) == sorted(c.path.read_bytes() for c in clips[:2])
     [file] = run.glob("run-*.wandb")
-    [history] = [r.history for r in read_run_records(file) if r.WhichOneof("record_type") == "history"]
+    [history] = [r.history for r in finished_records(file) if r.WhichOneof("record_type") == "history"]
     row: dict = {}  # a logged object's fields come as items of their own: nested_key = (key, field)
     for item in history.item:
         path = [item.key] if item.key else list(item.nested_key)
