@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
     from omnirl_core.config import ModelSection
 
 QWEN2_PATTERN = (
@@ -157,7 +160,7 @@ def qwen2_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen2") -> 
 
 
 def qwen3_tokenizer(extra_specials: Sequence[str] = (), name: str = "qwen3",
-                    chat_template: str | None = QWEN_CHAT_TEMPLATE) -> Any:
+                    chat_template: str | None = QWEN_CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """The real Qwen3 tokenizer (Qwen2's vocabulary and specials, then Qwen3's, then ``extra_specials``) with the
     Qwen chat template, for tiny presets of Qwen3-based text encoders and thinkers. ``name`` keys the cache."""
     tok = qwen2_tokenizer(extra_specials=[*QWEN3_SPECIALS, *extra_specials], name=name)
@@ -174,7 +177,7 @@ SMALL_CORPUS = (
 )
 
 
-def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512) -> Any:
+def small_bpe_tokenizer(specials: list[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained in milliseconds on a small built-in corpus (for the smallest tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -203,7 +206,7 @@ def corpus_characters() -> list[str]:
     return sorted((set(SMALL_CORPUS) | set(string.printable)) - set(string.whitespace))
 
 
-def t5_tokenizer(vocab_size: int = 256) -> Any:
+def t5_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
     """A T5/UMT5-style tokenizer (Unigram + Metaspace, ``<pad>`` = 0, ``</s>`` = 1 appended to every
     sequence) over the small corpus; for tiny Wan / SD3 text encoders. The Unigram vocabulary is built, not
     trained: ``tokenizers``' Unigram trainer breaks ties in a per-process hash order, so two machines would get
@@ -228,7 +231,7 @@ def t5_tokenizer(vocab_size: int = 256) -> Any:
     )
 
 
-def clip_tokenizer(vocab_size: int = 512) -> Any:
+def clip_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A CLIP-style tokenizer (byte-level BPE, ``<|startoftext|> ... <|endoftext|>``, 77 tokens, padded
     with ``<|endoftext|>``) trained in milliseconds on the small corpus; for tiny CLIP text encoders."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -253,7 +256,8 @@ def clip_tokenizer(vocab_size: int = 512) -> Any:
     )
 
 
-def tiny_clip_text_encoder(tokenizer: Any, dim: int, seed: int, projection: bool = False) -> Any:
+def tiny_clip_text_encoder(tokenizer: PreTrainedTokenizerFast, dim: int, seed: int,
+                           projection: bool = False) -> PreTrainedModel:
     """A CLIP text encoder of 2 layers x 4 heads, hidden (and projection) ``dim``, random weights drawn after
     ``torch.manual_seed(seed)``, for the tiny presets (SD3.5's two CLIPs, FLUX.1's); ``projection`` adds the text
     projection (``CLIPTextModelWithProjection``)."""
@@ -268,7 +272,8 @@ def tiny_clip_text_encoder(tokenizer: Any, dim: int, seed: int, projection: bool
     )).eval()
 
 
-def tiny_t5_encoder(tokenizer: Any, d_model: int, d_kv: int, d_ff: int, seed: int, umt5: bool = False) -> Any:
+def tiny_t5_encoder(tokenizer: PreTrainedTokenizerFast, d_model: int, d_kv: int, d_ff: int, seed: int,
+                    umt5: bool = False) -> PreTrainedModel:
     """A T5 (or UMT5) encoder of 2 layers x 4 heads with random weights drawn after ``torch.manual_seed(seed)``,
     for the tiny presets' text encoders (SD3.5's and FLUX.1's T5, Wan's UMT5)."""
     import torch
@@ -283,7 +288,8 @@ def tiny_t5_encoder(tokenizer: Any, d_model: int, d_kv: int, d_ff: int, seed: in
     )).eval()
 
 
-def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape: tuple[int, ...],
+def widen_decoder_range(decode: Callable[[torch.Tensor], torch.Tensor], conv_out: torch.nn.Conv2d | torch.nn.Conv3d,
+                        probe_shape: tuple[int, ...],
                         target_std: float = 0.6) -> None:
     """Random VAE decoders map every latent to a nearly flat grey. Rescale the decoder's last convolution
     so that unit Gaussian latents of ``probe_shape`` decode to pixels spread over most of [-1, 1]: still
@@ -294,7 +300,8 @@ def widen_decoder_range(decode: Callable[[Any], Any], conv_out: Any, probe_shape
         probe = torch.randn(probe_shape, generator=torch.Generator().manual_seed(0))
         out = decode(probe)
         conv_out.weight.mul_(target_std / max(out.std().item(), 1e-6))
-        conv_out.bias.zero_()
+        if conv_out.bias is not None:
+            conv_out.bias.zero_()
 
 
 def checkpoint_path(section: ModelSection, model: str, build_tiny: Callable[[], Path], default: str,

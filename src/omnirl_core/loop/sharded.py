@@ -22,7 +22,7 @@ import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from omnirl_core.config import TrainSection
 from omnirl_core.contracts import TrainEngine
+from omnirl_core.contracts.runtime import TrainingUnit
 from omnirl_core.loop.training import (
     MetricMean,
     finite_update,
@@ -42,6 +43,9 @@ from omnirl_core.loop.training import (
     rs_corrections,
     split_even,
 )
+
+if TYPE_CHECKING:
+    from omnirl_core.algorithm import Algorithm
 
 SHARD_DIR = "shards"
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -92,13 +96,13 @@ class ShardedTrainEngine(TrainEngine):
         return contextlib.nullcontext()
 
     # -- update --------------------------------------------------------------------------------
-    def update(self, algorithm: Any, units: list[Any], step: int,
+    def update(self, algorithm: Algorithm, units: list[TrainingUnit], step: int,
                reference: Callable[[], list[dict[str, Any]]] | None = None) -> dict[str, float]:
         """One training step; ``reference``: a separate reference worker's outputs (``training.prepare_all``)."""
         with self.training():
             return self._update(algorithm, units, step, reference)
 
-    def _update(self, algorithm: Any, units: list[Any], step: int,
+    def _update(self, algorithm: Algorithm, units: list[TrainingUnit], step: int,
                 reference: Callable[[], list[dict[str, Any]]] | None) -> dict[str, float]:
         metrics = MetricMean()
         data_rank, data_size = self._data_rank(), self._data_size()
@@ -128,7 +132,7 @@ class ShardedTrainEngine(TrainEngine):
         metrics.all_reduce(self.comm_device)
         return metrics.result()
 
-    def _backward(self, algorithm: Any, micro: list[Any], minibatch: list[Any],
+    def _backward(self, algorithm: Algorithm, micro: list[Any], minibatch: list[Any],
                   **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         # an empty share still joins the collectives, with a zero-weight forward/backward
         loss, m = algorithm.loss(self.model, micro or minibatch[:1], **kwargs)

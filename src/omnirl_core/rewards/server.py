@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from omnirl_core.contracts import as_reward
 from omnirl_core.contracts.data import MEDIA_KEYS
@@ -94,9 +94,9 @@ HINT_413 = ("the server's --max-body-mb; send fewer samples per request (the rem
 class Headers(Protocol):
     """Request headers as ``email.message.Message`` gives them (``http.server``'s ``self.headers``)."""
 
-    def get(self, name: str, default: Any = None, /) -> Any: ...
+    def get(self, name: str, /) -> str | None: ...
 
-    def get_all(self, name: str, default: Any = None, /) -> Any: ...
+    def get_all(self, name: str, /) -> list[str] | None: ...
 
 
 class AsgiHeaders:
@@ -105,13 +105,19 @@ class AsgiHeaders:
     def __init__(self, raw: Iterable[tuple[bytes, bytes]]):
         self.items = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in raw]
 
-    def get(self, name: str, default: Any = None, /) -> Any:
+    @overload
+    def get(self, name: str, /) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str, /) -> str: ...
+
+    def get(self, name: str, default: str | None = None, /) -> str | None:
         name = name.lower()
         return next((v for k, v in self.items if k == name), default)
 
-    def get_all(self, name: str, default: Any = None, /) -> Any:
+    def get_all(self, name: str, /) -> list[str] | None:
         name = name.lower()
-        return [v for k, v in self.items if k == name] or default
+        return [v for k, v in self.items if k == name] or None
 
 
 def body_length(headers: Headers, limit: int, hint: str = HINT_413) -> int:
@@ -495,7 +501,7 @@ def shipped_files(inputs: list[Any], files: dict[str, Any]) -> tuple[list[Any], 
         with open(copies[path], "wb") as f:
             f.write(memoryview(data.numpy()))
 
-    def local(value: Any) -> Any:
+    def local(value: object) -> object:
         if isinstance(value, str):
             return copies.get(value, value)
         return [local(v) for v in value] if isinstance(value, list) else value
