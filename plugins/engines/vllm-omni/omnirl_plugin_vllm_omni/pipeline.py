@@ -1,8 +1,9 @@
-"""vllm-omni's Qwen-Image pipeline with omnirl's sampler steps (runs inside the engine's environment).
+"""vllm-omni's Qwen-Image family with omnirl's sampler steps (runs inside the engine's environment).
 
-vllm-omni keeps its own text encoding, transformer call, step-wise request batching and VAE decode; this
-subclass replaces what happens around them for a request that carries an omnirl rollout plan
-(``prompt["omnirl"]``: one call's requests share their sampling parameters, the plan is per request):
+vllm-omni keeps its own text (and image) encoding, transformer call, step-wise request batching and VAE decode;
+the subclasses here (``OmnirlSteps``, a mixin, holds what they share) replace what happens around them for a
+request that carries an omnirl rollout plan (``prompt["omnirl"]``: one call's requests share their sampling
+parameters, the plan is per request):
 
 - initial latent: drawn from the request's noise seed in the unpacked (C, H, W) layout, as the diffusers
   engine draws it, then packed;
@@ -11,20 +12,38 @@ subclass replaces what happens around them for a request that carries an omnirl 
 - each step: ``omnirl_core.flow.sampler.sample_step`` (the function the trainer re-evaluates with) with the
   plan's kind for that step (ODE / Flow-SDE / CPS / Dance-SDE / DPM2) and the request's own noise stream;
 - the result: the trajectory x_0..x_T, sigmas, per-step log-probs (NaN for deterministic steps), the
-  prompt embeddings the trainer re-evaluates with, and the decoded image in [0, 1], all in
-  ``metadata["rl"]`` of the output envelope (CPU tensors).
+  prompt embeddings the trainer re-evaluates with (an edit's: also its image latents and their grids), and the
+  decoded image in [0, 1], all in ``metadata["rl"]`` of the output envelope (CPU tensors).
 
-A request without the omnirl plan (the engine's warm-up, plain serving) runs the parent's code unchanged.
+On Qwen-Image, a request without the omnirl plan (the engine's warm-up, plain serving) runs the parent's code
+unchanged.
+
+The edit pipelines (``QwenImageEditPlusPipeline``, ``QwenImageEditPipeline``) have no step execution of their own in
+vllm-omni 0.30.0 (no ``prepare_encode`` / ``denoise_step`` / ``step_scheduler`` / ``post_decode``), while its runner
+already batches what they need (each request's ``sampling.image_latent`` and ``img_shapes``) and
+``QwenImagePipeline.denoise_step`` appends the image latents and keeps the noisy tokens' output. Their omnirl
+subclasses take that denoise call from ``QwenImagePipeline`` as is, and encode each request's condition images in
+``prepare_encode`` with the edit pipeline's own parts: its resize rule (``calculate_dimensions``) and image processor,
+its ``encode_prompt`` (the Qwen2.5-VL encoder sees the images; its image processor on PIL, as the model plugin's)
+and ``prepare_latents`` (the VAE, packed), at the pixel areas the trainer's model options give (vllm-omni's request
+pre-processing fixes them at the released 1024 x 1024 and 384 x 384, and is not used: the images come in the plan).
+A plain request (vllm-omni's start-up warm-up) runs on them as a rollout request of ODE steps that edits a black
+picture.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit import (
+    QwenImageEditPipeline,
+    calculate_dimensions,
+)
+from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit_plus import QwenImageEditPlusPipeline
 
 from omnirl_core.flow.sampler import sample_step
 
@@ -44,6 +63,7 @@ class _Track:
     states: list[torch.Tensor]  # x_0 .. x_step, unpacked, host
     logprobs: torch.Tensor  # (T,) NaN for deterministic steps
     history: tuple[torch.Tensor, torch.Tensor] | None = None  # previous (x0 prediction, sigma): dpm2
+    condition: dict[str, torch.Tensor] = field(default_factory=dict)  # an edit's image latents and grids, host
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
@@ -63,12 +83,20 @@ def _plan(prompt: Any) -> dict[str, Any] | None:
     return prompt.get(KEY) if isinstance(prompt, dict) else None
 
 
-class OmnirlQwenImagePipeline(QwenImagePipeline):
+class OmnirlSteps:
+    """omnirl's rollout hooks on a vllm-omni Qwen-Image-family pipeline (listed before the pipeline class); a subclass
+    writes ``_omnirl_condition``: the request's conditioning on ``state`` (embeddings, CFG flags, image shapes)."""
+
     supports_step_execution = True
 
     def __init__(self, *, od_config: Any, prefix: str = ""):
         super().__init__(od_config=od_config, prefix=prefix)
         self._omnirl_requests: set[str] = set()
+
+    def _omnirl_condition(self, state: Any, plan: dict[str, Any], latents: torch.Tensor,
+                          **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Encode the request onto ``state``; returns what the sample carries besides the text embeddings."""
+        raise NotImplementedError
 
     # -- step execution (vllm-omni batches the transformer calls of requests in flight) ------------------
     def prepare_encode(self, state: Any, **kwargs: Any) -> Any:
@@ -77,18 +105,20 @@ class OmnirlQwenImagePipeline(QwenImagePipeline):
             return super().prepare_encode(state, **kwargs)
         kinds = list(plan["step_kinds"])
         state.sampling.num_inference_steps = len(kinds)
-        state = super().prepare_encode(state, **kwargs)  # prompt (and negative prompt) embeddings, CFG flags
-        state.sampling.cfg_normalize = bool(plan.get("cfg_renorm", True))
         c, h, w = (int(v) for v in plan["latent_shape"])
         x = torch.randn((c, h, w), generator=torch.Generator().manual_seed(int(plan["noise_seed"])),
                         dtype=torch.float32)
+        latents = _pack(x[None]).to(self.device)
+        condition = self._omnirl_condition(state, plan, latents, **kwargs)
+        state.sampling.cfg_normalize = bool(plan.get("cfg_renorm", True))
         sigmas = torch.tensor(plan["sigmas"], dtype=torch.float32)
-        state.latents = _pack(x[None]).to(self.device)
+        state.latents = latents
         state.timesteps = sigmas[:-1].to(self.device)
+        state.step_index = 0
         state.extra[KEY] = _Track(
             uid=int(plan["uid"]), shape=(c, h, w), sigmas=sigmas, kinds=kinds, eta=float(plan["eta"]),
             noise=torch.Generator().manual_seed(int(plan["seed"]) + 1), states=[x],
-            logprobs=torch.full((len(kinds),), float("nan")),
+            logprobs=torch.full((len(kinds),), float("nan")), condition=condition,
         )
         self._omnirl_requests.add(state.request_id)
         return state
@@ -165,6 +195,7 @@ class OmnirlQwenImagePipeline(QwenImagePipeline):
             "image": image[0],
             "prompt_embeds": state.prompt_embeds[0].detach().float().cpu(),
             "prompt_mask": state.prompt_embeds_mask[0].detach().to(torch.long).cpu(),
+            **track.condition,
         }
         if state.do_true_cfg:
             rl["negative_prompt_embeds"] = state.negative_prompt_embeds[0].detach().float().cpu()
@@ -196,3 +227,115 @@ class OmnirlQwenImagePipeline(QwenImagePipeline):
             raise RuntimeError("omnirl rollout requests need vllm-omni's step execution (step_execution=True); "
                                "the omnirl engine always starts it so")
         return super().forward(req)
+
+
+class OmnirlQwenImagePipeline(OmnirlSteps, QwenImagePipeline):
+    def _omnirl_condition(self, state: Any, plan: dict[str, Any], latents: torch.Tensor,
+                          **kwargs: Any) -> dict[str, torch.Tensor]:
+        # vllm-omni's own preparation: prompt (and negative prompt) embeddings, CFG flags, image shape
+        QwenImagePipeline.prepare_encode(self, state, **kwargs)
+        return {}
+
+
+class _QwenImageDenoise:
+    """What vllm-omni 0.30.0's edit pipelines lack for step execution, taken from ``QwenImagePipeline`` as is: the
+    batched denoise call (``image_latents`` appended to the noisy tokens, their output kept) and its arguments."""
+
+    denoise_step = QwenImagePipeline.denoise_step
+    _build_denoise_kwargs = QwenImagePipeline._build_denoise_kwargs
+
+
+class _OmnirlEdit(OmnirlSteps, _QwenImageDenoise):
+    """A Qwen-Image-Edit request's conditioning, encoded by the edit pipeline's own parts: the prompt with its images
+    (``encode_prompt``: the vision-language encoder), the images' VAE latents packed (``prepare_latents``), and the
+    image shapes (RoPE frames) of the noisy tokens and each condition image."""
+
+    def __init__(self, *, od_config: Any, prefix: str = ""):
+        import os
+
+        from transformers import AutoImageProcessor
+
+        super().__init__(od_config=od_config, prefix=prefix)
+        self._interrupt = False  # what the edit pipelines set in forward() and QwenImagePipeline.denoise_step reads
+        self._attention_kwargs: dict[str, Any] = {}
+        self._current_timestep = None
+        # The vision tower's inputs as the model plugin makes them (the checkpoint's image processor on PIL):
+        # transformers loads it on its torchvision backend where torchvision imports, whose resize differs from
+        # PIL's (0.015 in the normalised pixels of a 96 x 32 source at the tiny preset's sizes).
+        self.processor.image_processor = AutoImageProcessor.from_pretrained(
+            od_config.model, subfolder="processor", backend="pil", local_files_only=os.path.isdir(od_config.model))
+
+    def _omnirl_sources(self, images: list[Any], vae_area: int, vl_area: int) -> tuple[Any, Any, list[tuple[int, int]]]:
+        """(what ``encode_prompt`` reads, what ``prepare_latents`` encodes, each image's (w, h) for the VAE)."""
+        raise NotImplementedError
+
+    def prepare_encode(self, state: Any, **kwargs: Any) -> Any:
+        if _plan(state.prompt) is None:
+            # vllm-omni's start-up warm-up (a plain text request) and any plain request: with no step path of the
+            # edit pipelines' own to run it, it runs as a rollout request: ODE steps on a linear schedule, editing a
+            # black picture of the output's size (what vllm-omni's warm-up sends an image-input model)
+            sampling = state.sampling
+            steps, height, width = sampling.num_inference_steps or 2, sampling.height, sampling.width
+            prompt = state.prompt if isinstance(state.prompt, dict) else {"prompt": state.prompt or ""}
+            state.prompt = {**prompt, KEY: {
+                "uid": -1, "step_kinds": ["ode"] * steps, "eta": 0.0, "seed": 0, "noise_seed": 0,
+                "sigmas": torch.linspace(1.0, 0.0, steps + 1).tolist(),
+                "latent_shape": [self.transformer.in_channels // 4, height // self.vae_scale_factor,
+                                 width // self.vae_scale_factor],
+                "images": [torch.zeros((height, width, 3), dtype=torch.uint8)],
+                "vae_image_area": height * width, "vl_image_area": height * width,
+            }}
+        return super().prepare_encode(state, **kwargs)
+
+    def _omnirl_condition(self, state: Any, plan: dict[str, Any], latents: torch.Tensor,
+                          **kwargs: Any) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        sampling = state.sampling
+        images = [Image.fromarray(pixels.numpy()) for pixels in plan["images"]]
+        if not images:
+            raise RuntimeError("an edit request needs its condition image(s)")
+        vl, vae_input, vae_sizes = self._omnirl_sources(images, int(plan["vae_image_area"]),
+                                                        int(plan["vl_image_area"]))
+        length = sampling.max_sequence_length or self.tokenizer_max_length
+        state.prompt_embeds, state.prompt_embeds_mask = self.encode_prompt(
+            prompt=state.prompt["prompt"], image=vl, max_sequence_length=length)
+        negative = state.prompt.get("negative_prompt")
+        state.do_true_cfg = (sampling.true_cfg_scale or 1.0) > 1 and negative is not None
+        if state.do_true_cfg:  # the negative prompt sees the same images
+            state.negative_prompt_embeds, state.negative_prompt_embeds_mask = self.encode_prompt(
+                prompt=negative, image=vl, max_sequence_length=length, prompt_name="negative_prompt")
+        _, image_latents = self.prepare_latents(vae_input, 1, self.transformer.in_channels // 4, sampling.height,
+                                                sampling.width, state.prompt_embeds.dtype, self.device, None, latents)
+        sampling.image_latent = image_latents
+        scale = self.vae_scale_factor * 2
+        grids = [(vh // scale, vw // scale) for vw, vh in vae_sizes]
+        state.img_shapes = [[(1, sampling.height // scale, sampling.width // scale), *((1, h, w) for h, w in grids)]]
+        state.guidance = None  # the edit checkpoints guide by true CFG only (no guidance embedding)
+        return {"image_latents": image_latents[0].detach().float().cpu(),
+                "image_grids": torch.tensor(grids, dtype=torch.long)}
+
+
+class OmnirlQwenImageEditPlusPipeline(_OmnirlEdit, QwenImageEditPlusPipeline):
+    def _omnirl_sources(self, images: list[Any], vae_area: int, vl_area: int) -> tuple[Any, Any, list[tuple[int, int]]]:
+        # as vllm-omni's Edit-Plus pre-processing: the vision tower sees each image at vl_area, the VAE at vae_area
+        vl, vae, sizes = [], [], []
+        for image in images:
+            ratio = image.width / image.height
+            cw, ch = calculate_dimensions(vl_area, ratio)
+            vw, vh = calculate_dimensions(vae_area, ratio)
+            vl.append(self.image_processor.resize(image, ch, cw))
+            vae.append(self.image_processor.preprocess(image, vh, vw).unsqueeze(2))
+            sizes.append((vw, vh))
+        return vl, vae, sizes
+
+
+class OmnirlQwenImageEditPipeline(_OmnirlEdit, QwenImageEditPipeline):
+    def _omnirl_sources(self, images: list[Any], vae_area: int, vl_area: int) -> tuple[Any, Any, list[tuple[int, int]]]:
+        # as vllm-omni's Edit pre-processing: one image, resized to vae_area, which the vision tower sees too
+        if len(images) != 1:
+            raise RuntimeError(f"Qwen-Image-Edit takes one condition image; the request has {len(images)}")
+        (image,) = images
+        vw, vh = calculate_dimensions(vae_area, image.width / image.height)
+        image = self.image_processor.resize(image, vh, vw)
+        return image, self.image_processor.preprocess(image, vh, vw).unsqueeze(2), [(vw, vh)]

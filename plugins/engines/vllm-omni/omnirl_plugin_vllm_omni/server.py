@@ -1,5 +1,6 @@
 """The vllm-omni rollout server: ``python -m omnirl_plugin_vllm_omni.server --model DIR [--dtype float32]
-[--max-num-seqs 32]``, run by the engine in the vllm-omni environment (see ``engine.py``).
+[--max-num-seqs 32] [--pipeline OmnirlQwenImagePipeline]``, run by the engine in the vllm-omni environment (see
+``engine.py``, which picks the pipeline class of ``pipeline.py`` for the model).
 
 Calls (``omnirl_core.serving.rollout_server``): ``generate`` (requests with their rollout plans -> per request
 the trajectory, sigmas, log-probs, prompt embeddings and image), ``load_lora`` (an adapter from tensors),
@@ -16,14 +17,21 @@ from typing import Any
 
 from omnirl_core.serving.rollout_server import pack, serve, server_args, unpack
 
-PIPELINE = "omnirl_plugin_vllm_omni.pipeline.OmnirlQwenImagePipeline"
+PIPELINES = "omnirl_plugin_vllm_omni.pipeline"
+# vllm-omni picks its request pre- and post-processing by this name. The edit checkpoints' own (the source images
+# from multi_modal_data, resized at fixed areas; the output a bare image tensor) do not fit omnirl's requests (the
+# pixels in the plan, resized at the model's areas by the pipeline; an output envelope that carries the trajectory);
+# Qwen-Image's pass the request through and keep the envelope's metadata.
+REQUEST_HANDLING = "QwenImagePipeline"
 WORKER_EXTENSION = "omnirl_plugin_vllm_omni.worker.OmnirlWorkerExtension"
 ADAPTER_ID = 1  # one trained adapter, replaced at every sync
 
 
 class RolloutServer:
-    def __init__(self, model: str, dtype: str = "float32", max_num_seqs: int = 32):
+    def __init__(self, model: str, dtype: str = "float32", max_num_seqs: int = 32,
+                 pipeline: str = "OmnirlQwenImagePipeline"):
         self.model = model
+        self.pipeline = pipeline
         self.dtype = dtype
         self.max_num_seqs = max_num_seqs
         self.omni: Any = None
@@ -34,7 +42,8 @@ class RolloutServer:
         from vllm_omni.entrypoints.omni import Omni
 
         self.omni = Omni(model=self.model, dtype=self.dtype, step_execution=True, max_num_seqs=self.max_num_seqs,
-                         custom_pipeline_args={"pipeline_class": PIPELINE}, worker_extension_cls=WORKER_EXTENSION)
+                         custom_pipeline_args={"pipeline_class": f"{PIPELINES}.{self.pipeline}"},
+                         model_class_name=REQUEST_HANDLING, worker_extension_cls=WORKER_EXTENSION)
 
     def _rpc(self, method: str, **kwargs: Any) -> Any:
         stage = self.omni.engine.collective_rpc(method=method, kwargs=kwargs, stage_ids=[0])[0]
@@ -43,19 +52,25 @@ class RolloutServer:
     def generate(self, meta: dict[str, Any], tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-        # one generate call per (size, CFG scale): those share one sampling-parameters object; the plan of each
-        # request rides in its prompt. vllm-omni steps each call's requests together (step execution).
+        # one generate call per (size, CFG scale, condition-image grids): those share one sampling-parameters object
+        # and batch in one transformer call (condition tokens join the sequence); the plan of each request rides in
+        # its prompt. vllm-omni steps each call's requests together (step execution).
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for r in meta["requests"]:
-            groups.setdefault((r["height"], r["width"], r["guidance_scale"]), []).append(r)
+            layout = tuple(tuple(g) for g in r.get("condition_key") or ())
+            groups.setdefault((r["height"], r["width"], r["guidance_scale"], layout), []).append(r)
         out: dict[str, Any] = {}
         start = time.perf_counter()
-        for (height, width, scale), rows in groups.items():
+        for (height, width, scale, _), rows in groups.items():
             cfg = scale > 1.0
             prompts = []
             for r in rows:
                 plan = {k: r[k] for k in ("step_kinds", "eta", "sigmas", "latent_shape", "seed", "noise_seed", "uid")}
                 plan["cfg_renorm"] = meta["cfg_renorm"]
+                if "images" in r:  # an edit's sources: the pixels (H, W, 3) uint8, resized by the pipeline
+                    plan["images"] = [tensors[key] for key in r["images"]]
+                    plan["vae_image_area"] = meta["vae_image_area"]
+                    plan["vl_image_area"] = meta["vl_image_area"]
                 prompt = {"prompt": r["prompt"], "omnirl": plan}
                 if cfg:
                     prompt["negative_prompt"] = meta["negative_prompt"]
@@ -97,7 +112,7 @@ class RolloutServer:
         import vllm_omni
 
         return {"vllm": vllm.__version__, "vllm_omni": vllm_omni.__version__, "pid": os.getpid(),
-                "lora_version": self.lora_version, "model": self.model}, {}
+                "lora_version": self.lora_version, "model": self.model, "pipeline": self.pipeline}, {}
 
 
 def _rl_metadata(output: Any) -> dict[str, Any]:
@@ -117,7 +132,8 @@ def main() -> None:
     # `kill -USR1 <pid>` prints every thread's stack to the server log (a hang's whereabouts)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = server_args()
-    server = RolloutServer(args["model"], str(args.get("dtype", "float32")), int(args.get("max_num_seqs", 32)))
+    server = RolloutServer(args["model"], str(args.get("dtype", "float32")), int(args.get("max_num_seqs", 32)),
+                           str(args.get("pipeline", "OmnirlQwenImagePipeline")))
     serve({"generate": server.generate, "load_lora": server.load_lora, "load_weights": server.load_weights,
            "weight": server.weight, "info": server.info}, setup=server.start)
 
