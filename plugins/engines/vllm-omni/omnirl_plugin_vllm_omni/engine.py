@@ -8,7 +8,7 @@ the server's results back into ``Sample``s with the trajectory, log-probs, the e
 trainer re-evaluates with: prompt embeddings, an edit's image latents and their grids) and the image.
 
 The pipeline class follows the checkpoint (``model_index.json``'s ``_class_name``, see ``PIPELINES``): Qwen-Image,
-Qwen-Image-Edit-Plus and Qwen-Image-Edit; another model is refused before the server starts.
+Qwen-Image-Edit-Plus, Qwen-Image-Edit and FLUX.1 Kontext; another model is refused before the server starts.
 
 Weight sync: before a rollout, when the trained weights changed since the last push (torch's in-place
 version counters of the trainable parameters), they go to the engine: the LoRA tensors through vllm-omni's
@@ -39,11 +39,12 @@ PIPELINES = {
     "QwenImagePipeline": "OmnirlQwenImagePipeline",
     "QwenImageEditPlusPipeline": "OmnirlQwenImageEditPlusPipeline",
     "QwenImageEditPipeline": "OmnirlQwenImageEditPipeline",
+    "FluxKontextPipeline": "OmnirlFluxKontextPipeline",
 }
 """A checkpoint's pipeline (its ``model_index.json`` ``_class_name``) -> the class of ``pipeline.py`` that runs it."""
-NO_STEP_EXECUTION = ("FluxPipeline", "FluxKontextPipeline")
+NO_STEP_EXECUTION = ("FluxPipeline",)
 """Pipelines vllm-omni 0.30.0 ships without step execution (no prepare_encode / denoise_step / step_scheduler /
-post_decode), which omnirl's per-step sampler needs."""
+post_decode), which omnirl's per-step sampler needs, and that ``pipeline.py`` does not give it."""
 VLLM_OMNI_IMAGE_AREAS = {"vae_image_area": 1024 * 1024, "vl_image_area": 384 * 384}
 """The edit pipelines' own condition-image areas in pixels (what a model without such options gets)."""
 
@@ -158,6 +159,7 @@ class VllmOmniRolloutEngine(ServedRolloutEngine):
         common = {
             "negative_prompt": getattr(self.model, "negative_prompt", " "),
             "cfg_renorm": bool(getattr(options, "cfg_renorm", True)),
+            "guidance": getattr(self.model, "guidance", "cfg"),  # embedded (FLUX.1): the scale goes in, no CFG
             "max_sequence_length": int(getattr(options, "max_sequence_length", 512)),
             # an edit model's resize rule: the areas its options give, else the pipelines' own
             **{k: int(getattr(options, k, v)) for k, v in VLLM_OMNI_IMAGE_AREAS.items()},
@@ -203,11 +205,20 @@ class VllmOmniRolloutEngine(ServedRolloutEngine):
                     f"{layout}, the model at {self.model.condition_key(request)}: their resize rules differ.",
                     hint="Report it with the model's options (vae_image_area, vl_image_area).")
             images = {"image_latents": tensors[p + "image_latents"][None]}
-        cond = Conditioning({"prompt_embeds": tensors[p + "prompt_embeds"][None],
-                             "prompt_mask": tensors[p + "prompt_mask"][None], **images},
-                            pad_keys=("prompt_embeds", "prompt_mask"), layout=layout)
+        if p + "pooled_prompt_embeds" in tensors:  # FLUX.1 Kontext: T5 sequence (fixed length) + CLIP pooled
+            cond = Conditioning({"prompt_embeds": tensors[p + "prompt_embeds"][None],
+                                 "pooled_prompt_embeds": tensors[p + "pooled_prompt_embeds"][None], **images},
+                                layout=layout)
+        else:
+            cond = Conditioning({"prompt_embeds": tensors[p + "prompt_embeds"][None],
+                                 "prompt_mask": tensors[p + "prompt_mask"][None], **images},
+                                pad_keys=("prompt_embeds", "prompt_mask"), layout=layout)
         uncond = None
-        if p + "negative_prompt_embeds" in tensors:
+        if p + "negative_pooled_prompt_embeds" in tensors:  # FLUX.1 Kontext's negative prompt (same source latents)
+            uncond = Conditioning({"prompt_embeds": tensors[p + "negative_prompt_embeds"][None],
+                                   "pooled_prompt_embeds": tensors[p + "negative_pooled_prompt_embeds"][None],
+                                   **images}, layout=layout)
+        elif p + "negative_prompt_embeds" in tensors:
             uncond = Conditioning({"prompt_embeds": tensors[p + "negative_prompt_embeds"][None],
                                    "prompt_mask": tensors[p + "negative_prompt_mask"][None], **images},
                                   pad_keys=("prompt_embeds", "prompt_mask"), layout=layout)

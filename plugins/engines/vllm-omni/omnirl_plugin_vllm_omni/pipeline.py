@@ -29,6 +29,13 @@ and ``prepare_latents`` (the VAE, packed), at the pixel areas the trainer's mode
 pre-processing fixes them at the released 1024 x 1024 and 384 x 384, and is not used: the images come in the plan).
 A plain request (vllm-omni's start-up warm-up) runs on them as a rollout request of ODE steps that edits a black
 picture.
+
+FLUX.1 Kontext (``FluxKontextPipeline``) has only ``forward()`` in vllm-omni 0.30.0. Its omnirl subclass gives it the
+step hooks from its own parts: ``prepare_encode`` calls its ``encode_prompt`` (CLIP pooled + T5, text ids), image
+processor and ``prepare_latents`` (the source's VAE latents, packed, and the rotary ids of the noisy and source
+tokens), at the source size the model plugin's resize rule gives (the request's ``condition_key``); ``denoise_step``
+is one step of its ``diffuse()`` loop over the batch (its ``predict_noise``), the guidance scale as the transformer's
+input; the decode is its forward's (``/ scaling_factor + shift_factor``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 
 import torch
 from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.models.flux.pipeline_flux_kontext import FluxKontextPipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit import (
     QwenImageEditPipeline,
@@ -81,6 +89,19 @@ def _unpack(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
 
 def _plan(prompt: Any) -> dict[str, Any] | None:
     return prompt.get(KEY) if isinstance(prompt, dict) else None
+
+
+def _plain_as_rollout(state: Any, channels: int, scale: int, **fields: Any) -> None:
+    """Gives a plain request (vllm-omni's start-up warm-up) a rollout plan: ODE steps on a linear schedule at the
+    request's size, with ``fields`` added to the plan."""
+    sampling = state.sampling
+    steps, height, width = sampling.num_inference_steps or 2, sampling.height, sampling.width
+    prompt = state.prompt if isinstance(state.prompt, dict) else {"prompt": state.prompt or ""}
+    state.prompt = {**prompt, KEY: {
+        "uid": -1, "step_kinds": ["ode"] * steps, "eta": 0.0, "seed": 0, "noise_seed": 0,
+        "sigmas": torch.linspace(1.0, 0.0, steps + 1).tolist(),
+        "latent_shape": [channels, height // scale, width // scale], **fields,
+    }}
 
 
 class OmnirlSteps:
@@ -181,11 +202,7 @@ class OmnirlSteps:
         self._current_timestep = None
         x = track.states[-1][None].to(self.device)
         with torch.no_grad():
-            vae = self.vae
-            z = x.to(vae.dtype).unsqueeze(2)
-            mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-            std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
-            decoded = vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
+            decoded = self._omnirl_decode(x)
         image = ((decoded.float() + 1) / 2).clamp(0, 1).cpu()
         rl = {
             "uid": track.uid,
@@ -194,15 +211,25 @@ class OmnirlSteps:
             "logprobs": track.logprobs,
             "image": image[0],
             "prompt_embeds": state.prompt_embeds[0].detach().float().cpu(),
-            "prompt_mask": state.prompt_embeds_mask[0].detach().to(torch.long).cpu(),
             **track.condition,
         }
+        if state.prompt_embeds_mask is not None:
+            rl["prompt_mask"] = state.prompt_embeds_mask[0].detach().to(torch.long).cpu()
         if state.do_true_cfg:
             rl["negative_prompt_embeds"] = state.negative_prompt_embeds[0].detach().float().cpu()
             rl["negative_prompt_mask"] = state.negative_prompt_embeds_mask[0].detach().to(torch.long).cpu()
         state.extra.pop(KEY, None)
         # the envelope's payload goes through vllm-omni's image post-processing (PIL); metadata["rl"] does not
         return DiffusionOutput(output={"payload": {"image": decoded.cpu()}, "metadata": {"rl": rl}})
+
+    def _omnirl_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Unpacked latents (1, C, H, W) -> the VAE's output (1, 3, H', W') in [-1, 1]: Qwen-Image's VAE (one frame,
+        per-channel mean and std)."""
+        vae = self.vae
+        z = x.to(vae.dtype).unsqueeze(2)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(1, -1, 1, 1, 1)
+        return vae.decode(z * std + mean, return_dict=False)[0][:, :, 0]
 
     # -- LoRA from tensors (vllm-omni's loader hook; the worker extension stages the tensors first) -------
     def stage_lora(self, adapter_id: int, peft_config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -274,17 +301,10 @@ class _OmnirlEdit(OmnirlSteps, _QwenImageDenoise):
             # vllm-omni's start-up warm-up (a plain text request) and any plain request: with no step path of the
             # edit pipelines' own to run it, it runs as a rollout request: ODE steps on a linear schedule, editing a
             # black picture of the output's size (what vllm-omni's warm-up sends an image-input model)
-            sampling = state.sampling
-            steps, height, width = sampling.num_inference_steps or 2, sampling.height, sampling.width
-            prompt = state.prompt if isinstance(state.prompt, dict) else {"prompt": state.prompt or ""}
-            state.prompt = {**prompt, KEY: {
-                "uid": -1, "step_kinds": ["ode"] * steps, "eta": 0.0, "seed": 0, "noise_seed": 0,
-                "sigmas": torch.linspace(1.0, 0.0, steps + 1).tolist(),
-                "latent_shape": [self.transformer.in_channels // 4, height // self.vae_scale_factor,
-                                 width // self.vae_scale_factor],
-                "images": [torch.zeros((height, width, 3), dtype=torch.uint8)],
-                "vae_image_area": height * width, "vl_image_area": height * width,
-            }}
+            height, width = state.sampling.height, state.sampling.width
+            _plain_as_rollout(state, self.transformer.in_channels // 4, self.vae_scale_factor,
+                              images=[torch.zeros((height, width, 3), dtype=torch.uint8)],
+                              vae_image_area=height * width, vl_image_area=height * width)
         return super().prepare_encode(state, **kwargs)
 
     def _omnirl_condition(self, state: Any, plan: dict[str, Any], latents: torch.Tensor,
@@ -339,3 +359,128 @@ class OmnirlQwenImageEditPipeline(_OmnirlEdit, QwenImageEditPipeline):
         vw, vh = calculate_dimensions(vae_area, image.width / image.height)
         image = self.image_processor.resize(image, vh, vw)
         return image, self.image_processor.preprocess(image, vh, vw).unsqueeze(2), [(vw, vh)]
+
+
+class _KontextDenoise:
+    """The step-execution transformer call vllm-omni 0.30.0's ``FluxKontextPipeline`` lacks: one step of its
+    ``diffuse()`` loop over the batch's rows, through its own ``predict_noise`` (its transformer): the noisy tokens
+    followed by the source's (``image_latents``), rotary ids of both, the pooled CLIP and T5 embeddings, the embedded
+    guidance; the noisy tokens' output. The per-request parts the runner does not gather (pooled embeddings, ids) ride
+    on each request's ``state.extra``; the ids must be equal across the batch (the server's calls share the output size
+    and the source's latent grid)."""
+
+    def denoise_step(self, input_batch: Any, **kwargs: Any) -> torch.Tensor | None:
+        if self.interrupt:
+            return None
+        if input_batch.do_true_cfg:
+            raise RuntimeError("FLUX.1 Kontext runs here with embedded guidance only (no true CFG branch)")
+        parts = [state.extra[KONTEXT] for state in input_batch.states]
+        first = parts[0]
+        if any(not (torch.equal(p["txt_ids"], first["txt_ids"]) and torch.equal(p["img_ids"], first["img_ids"]))
+               for p in parts[1:]):
+            raise RuntimeError("requests with different token layouts in one FLUX.1 Kontext denoise batch")
+        latents = input_batch.latents
+        hidden = latents if input_batch.image_latents is None else torch.cat([latents, input_batch.image_latents], 1)
+        t = input_batch.timesteps
+        self._current_timestep = t
+        # omnirl's timesteps are the sigmas; the model plugin hands the transformer (1000 sigma) / 1000
+        timestep = (t.float() * 1000).to(latents.dtype) / 1000
+        out = self.predict_noise(
+            hidden_states=hidden, timestep=timestep, guidance=input_batch.guidance,
+            pooled_projections=torch.cat([p["pooled"] for p in parts]), encoder_hidden_states=input_batch.prompt_embeds,
+            txt_ids=first["txt_ids"], img_ids=first["img_ids"], joint_attention_kwargs={}, return_dict=False)
+        return out[:, :latents.shape[1]]
+
+
+KONTEXT = "omnirl.kontext"
+
+
+class OmnirlFluxKontextPipeline(OmnirlSteps, _KontextDenoise, FluxKontextPipeline):
+    """FLUX.1 Kontext with omnirl's steps. ``prepare_encode`` encodes a request with the pipeline's own parts: its
+    ``encode_prompt`` (CLIP pooled + T5; the text ids), its image processor (resize to the source's size: the latent
+    grid the model plugin's ``condition_key`` gives, sent with the request) and ``prepare_latents`` (the VAE, shift
+    and scale, packing; the noisy and source tokens' rotary ids, the source's first id 1). The guidance scale goes in
+    as the transformer's guidance input (``state.guidance``: the runner gathers it per row). A plain request
+    (vllm-omni's start-up warm-up) runs as a rollout request of ODE steps without a source."""
+
+    def __init__(self, *, od_config: Any, prefix: str = ""):
+        import os
+
+        from transformers import AutoTokenizer
+
+        super().__init__(od_config=od_config, prefix=prefix)
+        self._joint_attention_kwargs = {}
+        # The tokenizers as the checkpoint names them (what diffusers, hence the model plugin, loads): vllm-omni loads
+        # CLIPTokenizer / T5TokenizerFast whatever the checkpoint holds, and transformers 5's CLIPTokenizer rebuilds
+        # its own pre-tokenisation, which splits a tokenizer trained otherwise (the tiny preset's) into other ids.
+        local = os.path.isdir(od_config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(od_config.model, subfolder="tokenizer", local_files_only=local)
+        self.tokenizer_2 = AutoTokenizer.from_pretrained(od_config.model, subfolder="tokenizer_2",
+                                                         local_files_only=local)
+        # vllm-omni's LoRA manager finds which fused projection takes an adapter's to_q / to_k / to_v in a module's
+        # ``stacked_params_mapping`` attribute; FLUX.1's transformer declares the fusion as ``packed_modules_mapping``
+        # only (its load_weights keeps the stacked mapping local), so the q/k/v LoRA would bind nowhere.
+        transformer = self.transformer
+        if getattr(transformer, "stacked_params_mapping", None) is None:
+            transformer.stacked_params_mapping = [
+                (f".{packed}", f".{sub}", shard) for packed, subs in transformer.packed_modules_mapping.items()
+                for sub, shard in zip(subs, ("q", "k", "v"), strict=True)]
+
+    @property
+    def device(self) -> torch.device:
+        return self._execution_device
+
+    def prepare_encode(self, state: Any, **kwargs: Any) -> Any:
+        if _plan(state.prompt) is None:  # the warm-up, as for the Qwen edit pipelines
+            _plain_as_rollout(state, self.transformer.in_channels // 4, self.vae_scale_factor, guidance_scale=1.0)
+        return super().prepare_encode(state, **kwargs)
+
+    def _omnirl_condition(self, state: Any, plan: dict[str, Any], latents: torch.Tensor,
+                          **kwargs: Any) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        sampling = state.sampling
+        embeds, pooled, text_ids = self.encode_prompt(
+            prompt=state.prompt["prompt"], device=self.device, max_sequence_length=sampling.max_sequence_length or 512)
+        state.prompt_embeds, state.prompt_embeds_mask = embeds, None
+        state.do_true_cfg = False
+        state.guidance = float(plan["guidance_scale"]) if self.transformer.guidance_embeds else None
+        source, grids = None, []
+        images = plan.get("images") or []
+        if len(images) > 1:
+            raise RuntimeError(f"FLUX.1 Kontext takes one source image; the request has {len(images)}")
+        if images:  # at the size the model plugin's resize rule gives (its condition_key: the source's latent grid)
+            (h, w), = plan["condition_key"]
+            height, width = h * self.vae_scale_factor * 2, w * self.vae_scale_factor * 2
+            image = self.image_processor.resize(Image.fromarray(images[0].numpy()), height, width)
+            source = self.image_processor.preprocess(image, height, width)
+            grids = [(h, w)]
+        _, image_latents, latent_ids, image_ids = self.prepare_latents(
+            source, 1, self.transformer.in_channels // 4, sampling.height, sampling.width, embeds.dtype, self.device,
+            None, latents)
+        sampling.image_latent = image_latents
+        ids = latent_ids if image_ids is None else torch.cat([latent_ids, image_ids])
+        state.extra[KONTEXT] = {"pooled": pooled, "txt_ids": text_ids, "img_ids": ids}
+        condition = {"pooled_prompt_embeds": pooled[0].detach().float().cpu(),
+                     "image_grids": torch.tensor(grids, dtype=torch.long).reshape(-1, 2)}
+        negative = state.prompt.get("negative_prompt")
+        if negative is not None and float(plan["guidance_scale"]) > 1.0:
+            # the negative prompt's conditioning, which omnirl's samples carry with a scale above 1 (as the diffusers
+            # engine's do); embedded guidance runs no unconditional branch
+            negative_embeds, negative_pooled, _ = self.encode_prompt(
+                prompt=negative, device=self.device, max_sequence_length=sampling.max_sequence_length or 512)
+            condition["negative_prompt_embeds"] = negative_embeds[0].detach().float().cpu()
+            condition["negative_pooled_prompt_embeds"] = negative_pooled[0].detach().float().cpu()
+        if image_latents is not None:
+            condition["image_latents"] = image_latents[0].detach().float().cpu()
+        return condition
+
+    def _omnirl_decode(self, x: torch.Tensor) -> torch.Tensor:
+        vae = self.vae  # the pipeline's denormalisation (its forward's): / scaling + shift
+        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0]
+
+    def post_decode(self, state: Any, **kwargs: Any) -> DiffusionOutput:
+        out = super().post_decode(state, **kwargs)
+        state.extra.pop(KONTEXT, None)
+        return out

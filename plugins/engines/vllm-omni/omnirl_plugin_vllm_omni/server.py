@@ -61,18 +61,21 @@ class RolloutServer:
             groups.setdefault((r["height"], r["width"], r["guidance_scale"], layout), []).append(r)
         out: dict[str, Any] = {}
         start = time.perf_counter()
+        embedded = meta.get("guidance") == "embedded"  # the scale is the transformer's input (FLUX.1), no CFG
         for (height, width, scale, _), rows in groups.items():
-            cfg = scale > 1.0
+            cfg = scale > 1.0 and not embedded
             prompts = []
             for r in rows:
                 plan = {k: r[k] for k in ("step_kinds", "eta", "sigmas", "latent_shape", "seed", "noise_seed", "uid")}
                 plan["cfg_renorm"] = meta["cfg_renorm"]
+                plan["guidance_scale"] = scale
                 if "images" in r:  # an edit's sources: the pixels (H, W, 3) uint8, resized by the pipeline
                     plan["images"] = [tensors[key] for key in r["images"]]
                     plan["vae_image_area"] = meta["vae_image_area"]
                     plan["vl_image_area"] = meta["vl_image_area"]
+                    plan["condition_key"] = r["condition_key"]  # the sources' latent grids (Kontext sizes by them)
                 prompt = {"prompt": r["prompt"], "omnirl": plan}
-                if cfg:
+                if scale > 1.0:  # the unconditional branch's prompt (embedded guidance: encoded for the sample only)
                     prompt["negative_prompt"] = meta["negative_prompt"]
                 prompts.append(prompt)
             params = OmniDiffusionSamplingParams(

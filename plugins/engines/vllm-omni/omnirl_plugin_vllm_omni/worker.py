@@ -11,13 +11,14 @@ from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExte
 from omnirl_core.serving.rollout_server import unpack
 
 
-def lora_module_names(state: dict[str, Any]) -> dict[str, Any]:
+def lora_module_names(state: dict[str, Any], flat_to_out: bool = True) -> dict[str, Any]:
     """peft names of the trainer's denoiser (diffusers layout) -> the names vLLM's LoRA loader parses
-    (``base_model.model.<module>.lora_A.weight``) in vllm-omni's layout (``to_out.0`` is ``to_out`` there;
-    q/k/v stay separate: vllm-omni's LoRA manager slices them into its fused projections)."""
+    (``base_model.model.<module>.lora_A.weight``) in vllm-omni's layout (Qwen-Image's ``to_out.0`` is ``to_out``
+    there, ``flat_to_out``; FLUX.1's keeps ``to_out.0``; q/k/v stay separate: vllm-omni's LoRA manager slices them
+    into its fused projections)."""
     out = {}
     for key, value in state.items():
-        name = key.replace(".to_out.0.", ".to_out.")
+        name = key.replace(".to_out.0.", ".to_out.") if flat_to_out else key
         out[f"base_model.model.{name}"] = value
     return out
 
@@ -33,8 +34,9 @@ class OmnirlWorkerExtension(CustomPipelineWorkerExtension):
         manager = self.lora_manager
         if manager is None:
             raise RuntimeError("vllm-omni started without its LoRA manager")
-        named = lora_module_names(tensors)
-        # the adapter's target modules by their last name in vllm-omni's layout (to_out.0 -> to_out)
+        flat = not any(name.endswith(".to_out.0") for name, _ in pipeline.transformer.named_modules())
+        named = lora_module_names(tensors, flat)
+        # the adapter's target modules by their last name in vllm-omni's layout (Qwen-Image: to_out.0 -> to_out)
         targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in named})
         pipeline.stage_lora(adapter_id, {**peft_config, "target_modules": targets}, named)
         if adapter_id in manager.list_adapters():

@@ -1,9 +1,10 @@
-"""The vllm-omni engine on the tiny Qwen-Image-Edit-Plus preset (random weights, CPU, fp32): condition images
-encoded by vllm-omni's edit pipeline, against the diffusers engine and the trainer.
+"""The vllm-omni engine on the tiny edit presets (random weights, CPU, fp32): Qwen-Image-Edit-Plus, Qwen-Image-Edit
+and FLUX.1 Kontext, condition images encoded by vllm-omni's pipelines, against the diffusers engine and the trainer.
 
 Marked ``engines``: they need the engine's environment (``omnirl env build vllm-omni``) and skip without it. The
-tests share one vllm-omni start (one server per process and model) but two: the plain Qwen-Image-Edit test (another
-checkpoint: its own start, about 15 s here) and the last, a real ``omnirl train`` process with its own.
+tests share one vllm-omni start (one server per process and model) but these: the plain Qwen-Image-Edit test and the
+FLUX.1 Kontext test (other checkpoints: their own starts, about 15 s each here) and the last, real ``omnirl train``
+processes with their own.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ PLANS = [
 ]
 
 
-def tiny_model(**options):
-    """The qwen-image-edit plugin's tiny preset as `omnirl train --preset tiny` sets it up (its condition-image areas
-    from the plugin's omnirl.toml), with a LoRA adapter."""
-    spec = get_plugin_manager().resolve("model", "qwen-image-edit")
+def tiny_model(name: str = "qwen-image-edit", **options):
+    """A model plugin's tiny preset as `omnirl train --preset tiny` sets it up (qwen-image-edit: its condition-image
+    areas from the plugin's omnirl.toml; flux.1-kontext: its source area and T5 length), with a LoRA adapter."""
+    spec = get_plugin_manager().resolve("model", name)
     config = spec.load_config()(**spec.preset_defaults["tiny"]["model"]["options"], **options)
-    m = spec.load_factory()(ModelSection(name="qwen-image-edit", preset="tiny"), config, "cpu")
+    m = spec.load_factory()(ModelSection(name=name, preset="tiny"), config, "cpu")
     m.setup_training(LoraConfig(rank=4, alpha=4), need_reference=False)
     return m
 
@@ -121,6 +122,8 @@ def compare_with_diffusers(model, requests) -> tuple[dict[int, Sample], dict[str
         "images": max(float((ours[u].output - ref[u].output).abs().max()) for u in ref),
         "cond": max(cond_delta(ours[u].cond, ref[u].cond) for u in ref),
     }
+    if any(ref[u].uncond is not None for u in ref):
+        figures["uncond"] = max(cond_delta(ours[u].uncond, ref[u].uncond) for u in ref)
     for u in ref:
         assert torch.equal(ours[u].sigmas, ref[u].sigmas)
         assert ours[u].cond.layout == model.condition_key(ref[u].request)
@@ -183,27 +186,58 @@ def test_plain_edit_equals_the_diffusers_engine_and_the_trainer(model, sources):
 def test_models_it_cannot_run_are_refused(tmp_path):
     from omnirl_plugin_vllm_omni.engine import pipeline_class
 
-    for name, says in (("FluxKontextPipeline", "has no step execution"), ("StableDiffusion3Pipeline", "holds a")):
+    for name, says in (("FluxPipeline", "has no step execution"), ("StableDiffusion3Pipeline", "holds a")):
         (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": name}))
         with pytest.raises(UsageError, match=says) as info:
             pipeline_class(str(tmp_path))
         assert "rollout.engine=diffusers" in (info.value.hint or "")
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
-    assert pipeline_class(str(tmp_path)) == "OmnirlQwenImageEditPlusPipeline"
+    for name in ("QwenImageEditPlusPipeline", "FluxKontextPipeline"):
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": name}))
+        assert pipeline_class(str(tmp_path)) == f"Omnirl{name}"
 
 
-def test_a_training_run_through_the_cli(tmp_path):
-    """`omnirl train --model qwen-image-edit ... --set rollout.engine=vllm-omni` end to end on builtin:edits (its own
+def test_flux_kontext_equals_the_diffusers_engine_and_the_trainer(model, sources):
+    """FLUX.1 Kontext (one source, embedded guidance: the scale is the transformer's input, no second branch), its own
+    vllm-omni start: vllm-omni's Kontext parts (CLIP + T5 encoders, resize, VAE, packing, ids, transformer) give the
+    conditioning, trajectories, log-probs and images of the model plugin's, and the trainer recomputes the log-probs
+    from the engine's conditioning (pooled and T5 embeddings, the source's packed latents, the layout)."""
+    kontext = tiny_model("flux.1-kontext")
+    requests = [r for r in requests_for(sources, guidance=3.5) if len(r.condition_images) == 1]
+    ours, d = compare_with_diffusers(kontext, requests)
+    d["trainer"] = trainer_logprob_delta(kontext, list(ours.values()))
+    print("FLUX.1 Kontext, guidance 3.5: vllm-omni vs diffusers engine: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in d.items()))
+    assert d["cond"] <= 1e-4 and d["latents"] <= 1e-4 and d["logprobs"] <= 1e-4 and d["images"] <= 1e-3, d
+    assert d["uncond"] <= 1e-4 and d["trainer"] <= 1e-5, d
+    for s in ours.values():  # with a scale above 1 the samples carry the negative prompt's conditioning
+        assert s.uncond is not None and s.uncond.layout == s.cond.layout
+        assert torch.equal(s.uncond.tensors["image_latents"], s.cond.tensors["image_latents"])
+        assert set(s.cond.tensors) == {"prompt_embeds", "pooled_prompt_embeds", "image_latents"}, sorted(s.cond.tensors)
+    assert len({s.cond.layout for s in ours.values()}) == 3  # three source grids, one call
+    # the source steers the edit: the same prompt, seed and plan with another source ends elsewhere
+    assert torch.equal(ours[0].latents[0], ours[4].latents[0])
+    assert float((ours[0].latents[-1] - ours[4].latents[-1]).abs().max()) > 1e-3
+    # the guidance scale goes in: another scale, another trajectory
+    other = by_uid(engine(kontext).generate(requests_for(sources, guidance=1.5)[:1]))
+    assert float((other[0].latents[-1] - ours[0].latents[-1]).abs().max()) > 1e-4
+    # a LoRA update reaches vllm-omni's FLUX.1 transformer (loaded from tensors) and only then do the log-probs agree
+    testing.check_weight_update_reaches_engine(kontext, lambda **o: engine(kontext, **o), requests[:3],
+                                               trainer_logprob_delta, "auto", seed=5, scale=0.3)
+
+
+@pytest.mark.parametrize("name", ["qwen-image-edit", "flux.1-kontext"])
+def test_a_training_run_through_the_cli(tmp_path, name):
+    """`omnirl train --model <edit model> ... --set rollout.engine=vllm-omni` end to end on builtin:edits (its own
     engine start): the second step's rollout ran on the synced LoRA, so its log-probs agree with the trainer's."""
     testing.require_engine_environment("vllm-omni")
     run = tmp_path / "run"
-    proc = subprocess.run([str(Path(sys.executable).with_name("omnirl")), "train", "--model", "qwen-image-edit",
+    proc = subprocess.run([str(Path(sys.executable).with_name("omnirl")), "train", "--model", name,
                            "--algo", "flowgrpo", "--preset", "tiny", "--set", "data.prompts=builtin:edits",
                            "--set", "rollout.engine=vllm-omni", "--steps", "2", "--output-dir", str(run)],
                           capture_output=True, text=True, timeout=1800, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     worst = max(r["logprob/abs_delta_max"] for r in rows)
-    print(f"omnirl train qwen-image-edit with rollout.engine=vllm-omni: {len(rows)} steps, "
+    print(f"omnirl train {name} with rollout.engine=vllm-omni: {len(rows)} steps, "
           f"logprob/abs_delta_max <= {worst:.3g}")
     assert len(rows) == 2 and worst <= 1e-5, worst
